@@ -1,0 +1,159 @@
+"""Checkpoints that survive crashes: written aside, flushed, marked complete, then renamed into place.
+
+Layout: `<output_dir>/checkpoints/step_00000120/` holding `student.safetensors`, `state.pt`
+(optimizer, LR schedule, grad scaler, EMA, RNG states) and `meta.json` (step, samples seen,
+run identity), and a `COMPLETE` marker written last. A folder without the marker is a crashed
+save and is never resumed from; older checkpoints are pruned only after a newer one is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from distill.errors import DistillError, Stage
+
+logger = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+PREFIX = "step_"
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    model: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def _fsync_tree(folder: Path) -> None:
+    for file in folder.iterdir():
+        with file.open("rb") as handle:
+            os.fsync(handle.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: dict[str, torch.Tensor],
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Write a complete checkpoint for `step`, then prune all but the newest `keep_last`."""
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in model.items()}, str(tmp / "student.safetensors")
+        )
+        torch.save(state, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=2, sort_keys=True))
+        (tmp / MARKER).write_text("ok\n")  # last: its presence means every file above is whole
+        _fsync_tree(tmp)
+        if final.exists():  # a re-save of the same step (after a resume): replace it only now
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DistillError(
+            f"could not write the checkpoint for step {step} in {root}",
+            f"{type(exc).__name__}: {exc}",
+            causes=[
+                "the disk is full",
+                "the output folder is not writable",
+                "a network filesystem went away",
+            ],
+            fixes=[
+                "free space (df -h) or point --output_dir at a larger, writable disk",
+                "then rerun the same command: it resumes from the last complete checkpoint, which is intact",
+            ],
+            stage=Stage.CHECKPOINT,
+        ) from None
+    prune(root, keep_last)
+    return final
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def prune(root: Path, keep_last: int) -> None:
+    for old in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    if not (path / MARKER).is_file():
+        raise DistillError(
+            f"{path} is not a complete checkpoint (no {MARKER} marker: the save was interrupted)",
+            fixes=["pass --resume auto to use the newest complete checkpoint"],
+            stage=Stage.CHECKPOINT,
+        )
+    model = load_file(str(path / "student.safetensors"))
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    meta = json.loads((path / "meta.json").read_text())
+    return Checkpoint(path, model, state, meta)
+
+
+def load_latest(root: Path) -> Checkpoint | None:
+    """The newest checkpoint that loads; damaged ones are skipped with a warning naming them."""
+    for path in reversed(complete_checkpoints(root)):
+        try:
+            return load_checkpoint(path)
+        except Exception as exc:  # a truncated or corrupt file: fall back to an older checkpoint
+            logger.warning("skipping damaged checkpoint %s (%s: %s)", path, type(exc).__name__, exc)
+    return None
+
+
+def rng_state() -> dict[str, Any]:
+    """Global RNG states, so code that draws from them continues the same after a resume."""
+    import random
+
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,320 @@
+"""One typed config for a distillation run, read from the command line and an optional YAML/JSON file.
+
+Every setting is a field of `TrainConfig` with its help text beside it, so the CLI, the config
+file, `--help` and the resolved `run_config.json` written next to the student all come from the
+same place. Precedence: defaults < `--config FILE` < command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distill.errors import DistillError, Stage
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **extra: Any) -> Any:
+    """A dataclass field that carries its CLI help text (and choices) as metadata."""
+    return field(default=default, metadata={"help": help, "choices": choices, **extra})
+
+
+@dataclass
+class TrainConfig:
+    # --- where things are -------------------------------------------------------------------
+    teacher_path: str | None = _opt(
+        None,
+        "Wan2.2-T2V-A14B teacher: a local diffusers folder or a hub id (Wan-AI/Wan2.2-T2V-A14B-Diffusers).",
+    )
+    student_config: str | None = _opt(None, "JSON file of WanTransformer3DModel keys for the student.")
+    data_path: str | None = _opt(None, "Prompts: .txt (one per line), .jsonl or .csv with a 'prompt' field.")
+    output_dir: str | None = _opt(None, "Where checkpoints, metrics, caches and the exported student go.")
+    cache_dir: str | None = _opt(
+        None, "Prompt-embedding and clean-latent caches (default <output_dir>/cache); share it between runs."
+    )
+    config: str | None = _opt(None, "YAML or JSON file with any of these settings; command-line flags win.")
+
+    # --- teacher ----------------------------------------------------------------------------
+    teacher_dtype: str = _opt(
+        "auto",
+        "Teacher weights dtype; auto = bfloat16 on CUDA, float32 on CPU.",
+        ("auto", "float32", "float16", "bfloat16"),
+    )
+    teacher_on_cpu: bool = _opt(
+        False, "Keep teacher weights in CPU RAM and stream them to the GPU group by group (CUDA only)."
+    )
+    boundary_ratio: float | None = _opt(
+        None,
+        "Expert switch: t >= ratio*1000 uses the high-noise expert (default: the teacher's model_index.json).",
+    )
+    guidance_scale: float = _opt(4.0, "Classifier-free guidance of the high-noise expert (transformer).")
+    guidance_scale_2: float = _opt(3.0, "Classifier-free guidance of the low-noise expert (transformer_2).")
+    negative_prompt: str = _opt("", "Negative prompt for the unconditional branch of guidance.")
+    max_sequence_length: int = _opt(512, "Text tokens per prompt (the Wan text encoder's limit is 512).")
+    flow_shift: float | None = _opt(
+        None,
+        "Shift of the sigma schedule for training timesteps (default: the teacher scheduler's flow_shift).",
+    )
+
+    # --- student ----------------------------------------------------------------------------
+    student_init: str = _opt(
+        "random",
+        "random, teacher (evenly spaced blocks of one expert, sliced to the student's width), "
+        "or a folder / hub id of a pretrained WanTransformer3DModel.",
+    )
+    student_init_expert: str = _opt(
+        "low", "Which expert --student_init teacher copies from.", ("high", "low")
+    )
+    gradient_checkpointing: bool = _opt(False, "Recompute student activations in backward to save memory.")
+
+    # --- clean latents ----------------------------------------------------------------------
+    height: int = _opt(480, "Training (and sampling) height in pixels; a multiple of 8 x the patch size.")
+    width: int = _opt(832, "Training width in pixels; a multiple of 8 x the patch size.")
+    num_frames: int = _opt(1, "Frames per sample: 1 = image mode, 4k+1 = video.")
+    teacher_sample_steps: int = _opt(40, "Teacher sampler steps used to make each clean latent x0.")
+    max_prompts: int | None = _opt(None, "Use only the first N prompts of --data_path (quick trials).")
+
+    # --- optimisation -----------------------------------------------------------------------
+    batch_size: int = _opt(1, "Samples per device per micro-step.")
+    gradient_accumulation_steps: int = _opt(1, "Micro-steps per optimizer step.")
+    num_steps: int | None = _opt(None, "Optimizer steps to run (default 1000 unless --num_epochs is given).")
+    num_epochs: int | None = _opt(None, "Passes over the prompts; used when --num_steps is not given.")
+    lr: float = _opt(1e-4, "Peak learning rate of AdamW.")
+    lr_scheduler: str = _opt("cosine", "Learning-rate shape after warm-up.", ("cosine", "constant"))
+    lr_warmup_steps: int = _opt(0, "Linear warm-up steps.")
+    weight_decay: float = _opt(0.0, "AdamW weight decay.")
+    max_grad_norm: float = _opt(1.0, "Clip gradients to this global norm (0 disables clipping).")
+    mixed_precision: str = _opt("no", "Autocast for the student.", ("no", "bf16", "fp16"))
+    ema_decay: float = _opt(
+        0.0, "Keep an EMA of the student with this decay (0 disables), exported as student_ema/."
+    )
+    seed: int = _opt(0, "Seed for initialisation, noise, timesteps and data order.")
+    num_workers: int = _opt(0, "DataLoader worker processes reading the clean-latent cache.")
+    device: str = _opt("auto", "auto (cuda when available), cuda, cuda:N or cpu.")
+
+    # --- bookkeeping ------------------------------------------------------------------------
+    log_every: int = _opt(10, "Log loss/lr every N steps (one host sync per logged step).")
+    checkpoint_every: int = _opt(500, "Save a resumable checkpoint every N steps (0 = only at the end).")
+    keep_last: int = _opt(3, "Checkpoints to keep; older ones are deleted once a newer one is complete.")
+    resume: str = _opt(
+        "auto", "auto (newest checkpoint in output_dir, if any), none, or a checkpoint folder."
+    )
+    wandb_project: str | None = _opt(None, "Log to this wandb project (nothing is sent to wandb without it).")
+    wandb_mode: str = _opt(
+        "online",
+        "wandb mode; online falls back to offline when no API key is set.",
+        ("online", "offline", "disabled"),
+    )
+    wandb_run_name: str | None = _opt(None, "Name of the wandb run.")
+    dry_run: bool = _opt(False, "Validate everything, print the plan and memory estimate, then exit 0.")
+
+    # ------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every setting that can be checked without loading a model."""
+        for f in dataclasses.fields(self):
+            choices = f.metadata["choices"]
+            if choices and getattr(self, f.name) not in choices:
+                raise _config_error(
+                    f.name,
+                    f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}",
+                    f"set --{f.name} to one of {', '.join(choices)}",
+                )
+        for name in ("teacher_path", "student_config", "data_path", "output_dir"):
+            if not getattr(self, name):
+                raise _config_error(name, "is required", f"pass --{name} (or set '{name}' in --config)")
+        positive = [
+            "height",
+            "width",
+            "num_frames",
+            "teacher_sample_steps",
+            "batch_size",
+            "gradient_accumulation_steps",
+            "max_sequence_length",
+            "log_every",
+            "keep_last",
+        ]
+        for name in positive + ["num_steps", "num_epochs", "max_prompts"]:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise _config_error(
+                    name, f"must be a positive integer, got {value}", f"set --{name} to 1 or more"
+                )
+        for name in ("checkpoint_every", "lr_warmup_steps", "num_workers"):
+            if getattr(self, name) < 0:
+                raise _config_error(name, "must be 0 or more", f"set --{name} 0")
+        if self.num_frames % 4 != 1:
+            k = max(0, round((self.num_frames - 1) / 4))
+            raise _config_error(
+                "num_frames",
+                f"must be 4k+1 (the Wan VAE compresses time by 4), got {self.num_frames}",
+                f"use --num_frames 1 for images or --num_frames {4 * k + 1} for video",
+            )
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value % 16:
+                raise _config_error(
+                    name,
+                    f"must be a multiple of 16 (VAE stride 8 x patch 2), got {value}",
+                    f"use --{name} {max(16, value // 16 * 16)}",
+                )
+        if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
+            raise _config_error(
+                "boundary_ratio", f"must lie in (0, 1), got {self.boundary_ratio}", "Wan 2.2 uses 0.875"
+            )
+        if self.lr <= 0:
+            raise _config_error("lr", f"must be positive, got {self.lr}", "try --lr 1e-4")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise _config_error(
+                "ema_decay", f"must lie in [0, 1), got {self.ema_decay}", "try --ema_decay 0.999"
+            )
+        if self.max_grad_norm < 0:
+            raise _config_error("max_grad_norm", "must be 0 (off) or positive", "try --max_grad_norm 1.0")
+        if self.flow_shift is not None and self.flow_shift <= 0:
+            raise _config_error("flow_shift", f"must be positive, got {self.flow_shift}", "Wan 2.2 uses 3.0")
+        if self.resume not in ("auto", "none") and not Path(self.resume).is_dir():
+            raise _config_error(
+                "resume",
+                f"is neither auto, none nor an existing checkpoint folder: {self.resume}",
+                "pass --resume auto to continue from the newest checkpoint in --output_dir",
+            )
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise _config_error("device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else Path(self.output_dir) / "cache"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _config_error(name: str, problem: str, fix: str) -> DistillError:
+    return DistillError(f"--{name} {problem}", fixes=[fix], stage=Stage.CONFIG)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line and config file
+# ---------------------------------------------------------------------------------------------
+
+# Flags of the origin project that map onto ours, so old launch scripts keep working.
+FLAG_ALIASES = {"--learning_rate": "--lr", "--epochs": "--num_epochs", "--max_steps": "--num_steps"}
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser with one flag per TrainConfig field (defaults suppressed, see parse_config)."""
+    parser = argparse.ArgumentParser(
+        prog="train_distillation.py",
+        description="Distil the Wan 2.2 A14B teacher into a compact WanTransformer3DModel student.",
+        argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    types = _field_types()
+    for f in dataclasses.fields(TrainConfig):
+        kind = types[f.name]
+        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        help_text = f.metadata["help"] + (
+            f" (default: {f.default})" if f.default not in (None, False) else ""
+        )
+        flags = [f"--{f.name}"] + [alias for alias, target in FLAG_ALIASES.items() if target == f"--{f.name}"]
+        if base is bool:
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+        else:
+            parser.add_argument(
+                *flags, type=base, choices=f.metadata["choices"], help=help_text, metavar=None
+            )
+    return parser
+
+
+def _did_you_mean(word: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f" Did you mean {match[0]}?" if match else ""
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON mapping of TrainConfig fields, refusing unknown keys with a suggestion."""
+    path = Path(path)
+    if not path.is_file():
+        raise DistillError(
+            f"config file not found: {path}", fixes=["check the --config path"], stage=Stage.CONFIG
+        )
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except (json.JSONDecodeError, Exception) as exc:  # yaml.YAMLError has no common base with json's
+        raise DistillError(
+            f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}",
+            str(exc),
+            fixes=[f"fix the syntax at the position shown above in {path}"],
+            stage=Stage.CONFIG,
+        ) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise DistillError(
+            f"config file {path} must hold a mapping of setting: value",
+            f"found a {type(data).__name__}",
+            stage=Stage.CONFIG,
+        )
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    for key in data:
+        if key not in names:
+            raise DistillError(
+                f"unknown setting '{key}' in {path}.{_did_you_mean(key, names)}",
+                fixes=[
+                    f"remove '{key}' or rename it; `python train_distillation.py --help` lists every setting"
+                ],
+                stage=Stage.CONFIG,
+            )
+    return data
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """Resolve a TrainConfig from argv and an optional --config file, then validate it."""
+    parser = build_parser()
+    given, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flags = [opt for action in parser._actions for opt in action.option_strings]
+        first = unknown[0]
+        hint = _did_you_mean(first.split("=")[0], flags) if first.startswith("-") else ""
+        raise DistillError(
+            f"unrecognised argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)}.{hint}",
+            fixes=["`python train_distillation.py --help` lists every flag"],
+            stage=Stage.ARGV,
+        )
+    values: dict[str, Any] = {}
+    if getattr(given, "config", None):
+        values.update(load_config_file(given.config))
+    values.update(vars(given))
+    types = _field_types()
+    for name, value in list(values.items()):
+        base = next((a for a in typing.get_args(types[name]) if a is not type(None)), types[name])
+        if value is not None and base is float and isinstance(value, int):
+            values[name] = float(value)
+        elif value is not None and not isinstance(value, base):
+            raise _config_error(
+                name, f"must be a {base.__name__}, got {value!r}", f"fix '{name}' in {given.config}"
+            )
+    cfg = TrainConfig(**values)
+    if cfg.num_steps is None and cfg.num_epochs is None:
+        cfg.num_steps = 1000
+    cfg.validate()
+    return cfg
+
+
+def save_resolved_config(cfg: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")

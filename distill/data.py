@@ -1,0 +1,258 @@
+"""Prompts, the two caches built from them, and the resumable order in which training reads them.
+
+Both caches are folders of one safetensors file per prompt (named by a hash of the prompt text)
+plus a `settings.json` saying what produced them. A cache built by another teacher or with other
+settings is refused with the folder to delete, never silently mixed. Files are written to a
+temporary name and renamed, so an interrupted build resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from distill.errors import DistillError, Stage
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt files
+# ---------------------------------------------------------------------------------------------
+
+
+def _data_error(path: Path, problem: str, fix: str) -> DistillError:
+    return DistillError(f"--data_path {path}: {problem}", fixes=[fix], stage=Stage.DATA)
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from .txt (one a line; blank and '#' lines skipped), .jsonl or .csv (a 'prompt' field)."""
+    path = Path(path)
+    if not path.is_file():
+        raise _data_error(
+            path, "file not found", "check the path; data/static_prompts.txt ships with the project"
+        )
+    raw = path.read_bytes()
+    if b"\x00" in raw[:8192]:
+        raise _data_error(
+            path, "looks like a binary file, not text", "pass a UTF-8 .txt, .jsonl or .csv file"
+        )
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise _data_error(
+            path, f"is not UTF-8 (bad byte at line {line})", "re-save the file as UTF-8"
+        ) from None
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        prompts = _prompts_from_jsonl(path, text)
+    elif suffix == ".csv":
+        rows = list(csv.DictReader(text.splitlines()))
+        if rows and "prompt" not in rows[0]:
+            raise _data_error(
+                path, f"has no 'prompt' column (columns: {', '.join(rows[0])})", "name the column 'prompt'"
+            )
+        prompts = [row["prompt"].strip() for row in rows]
+    else:
+        prompts = [line.strip() for line in text.splitlines() if not line.lstrip().startswith("#")]
+    prompts = [p for p in prompts if p]
+    if not prompts:
+        raise _data_error(
+            path, "holds no prompts", "write one prompt per line (lines starting with # are comments)"
+        )
+    return prompts
+
+
+def _prompts_from_jsonl(path: Path, text: str) -> list[str]:
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise _data_error(
+                path, f"line {number} is not JSON ({exc.msg})", "one JSON object per line"
+            ) from None
+        if not isinstance(record, dict) or "prompt" not in record:
+            raise _data_error(
+                path, f"line {number} has no 'prompt' field", 'write {"prompt": "..."} per line'
+            )
+        prompts.append(str(record["prompt"]).strip())
+    return prompts
+
+
+def prompt_key(prompt: str) -> str:
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------------------------
+# Caches
+# ---------------------------------------------------------------------------------------------
+
+
+class TensorCache:
+    """One safetensors file per prompt in `folder`, valid only for the `settings` it was built with."""
+
+    def __init__(self, folder: str | Path, settings: dict[str, Any], what: str) -> None:
+        self.folder = Path(folder)
+        self.settings = settings
+        self.what = what
+
+    def open(self) -> TensorCache:
+        """Create the folder, or check that an existing one was built with the same settings."""
+        marker = self.folder / "settings.json"
+        if marker.is_file():
+            previous = json.loads(marker.read_text())
+            if previous != self.settings:
+                changed = sorted(
+                    k for k in set(previous) | set(self.settings) if previous.get(k) != self.settings.get(k)
+                )
+                details = "\n".join(
+                    f"{k}: cache has {previous.get(k)!r}, this run has {self.settings.get(k)!r}"
+                    for k in changed
+                )
+                raise DistillError(
+                    f"the {self.what} cache in {self.folder} was built with other settings",
+                    details,
+                    fixes=[
+                        f"delete {self.folder} to rebuild it with the current settings",
+                        "or pass another --cache_dir to keep both",
+                    ],
+                    stage=Stage.DATA,
+                )
+        else:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            _atomic_write_text(marker, json.dumps(self.settings, indent=2, sort_keys=True))
+        return self
+
+    def path(self, prompt: str) -> Path:
+        return self.folder / f"{prompt_key(prompt)}.safetensors"
+
+    def missing(self, prompts: Sequence[str]) -> list[str]:
+        return [p for p in dict.fromkeys(prompts) if not self.path(p).is_file()]
+
+    def put(self, prompt: str, tensor: torch.Tensor) -> None:
+        target = self.path(prompt)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        save_file({"value": tensor.detach().contiguous().cpu()}, str(tmp), metadata={"prompt": prompt})
+        os.replace(tmp, target)
+
+    def get(self, prompt: str) -> torch.Tensor:
+        try:
+            return load_file(str(self.path(prompt)))["value"]
+        except Exception as exc:
+            raise DistillError(
+                f"the {self.what} cache entry for a prompt is unreadable: {self.path(prompt)}",
+                f"{type(exc).__name__}: {exc}",
+                fixes=[f"delete {self.path(prompt)}; it is rebuilt on the next run"],
+                stage=Stage.DATA,
+            ) from None
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def fill_cache(
+    cache: TensorCache,
+    prompts: Sequence[str],
+    compute: Callable[[list[str]], list[torch.Tensor]],
+    batch_size: int = 1,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Compute the entries `cache` lacks, `batch_size` prompts at a time. Returns how many were built."""
+    todo = cache.missing(prompts)
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        for prompt, value in zip(chunk, compute(chunk)):
+            cache.put(prompt, value)
+        if progress:
+            progress(len(chunk))
+    return len(todo)
+
+
+# ---------------------------------------------------------------------------------------------
+# What training reads
+# ---------------------------------------------------------------------------------------------
+
+
+class DistillationDataset(torch.utils.data.Dataset):
+    """Clean latent x0 and zero-padded prompt embedding of each training prompt, read from the caches."""
+
+    def __init__(
+        self, prompts: Sequence[str], latents: TensorCache, embeddings: TensorCache, max_length: int
+    ) -> None:
+        self.prompts = list(prompts)
+        self.latents, self.embeddings = latents, embeddings
+        self.max_length = max_length
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        prompt = self.prompts[index]
+        return {
+            "x0": self.latents.get(prompt),
+            "cond": pad_embedding(self.embeddings.get(prompt), self.max_length),
+            "index": torch.tensor(index),
+        }
+
+
+def pad_embedding(embedding: torch.Tensor, max_length: int) -> torch.Tensor:
+    """Zero-pad a (tokens, dim) embedding to max_length rows, exactly as WanPipeline pads prompts."""
+    padded = embedding.new_zeros(max_length, embedding.shape[-1])
+    padded[: embedding.shape[0]] = embedding[:max_length]
+    return padded
+
+
+class ResumableSampler(torch.utils.data.Sampler[int]):
+    """Shuffled epochs that any rank can re-create from (seed, epoch) and resume mid-epoch.
+
+    Each epoch is a permutation drawn from `seed + epoch`, so resuming needs only the number of
+    samples already consumed, not a saved generator (a DataLoader reads ahead, so the sampler's own
+    position is not what training has used). Rank r of w takes every w-th index of the epoch.
+    """
+
+    def __init__(self, num_items: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        self.num_items, self.seed = num_items, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.position = 0, 0
+
+    def per_rank(self) -> int:
+        return self.num_items // self.world_size if self.num_items >= self.world_size else 1
+
+    def _order(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.num_items, generator=generator).tolist()
+        if len(order) < self.world_size:  # fewer prompts than ranks: every rank reuses them
+            order = (order * self.world_size)[: self.world_size]
+        return order[self.rank :: self.world_size][: self.per_rank()]
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            order = self._order()
+            while self.position < len(order):
+                index = order[self.position]
+                self.position += 1
+                yield index
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def __len__(self) -> int:
+        return self.per_rank()
+
+    def start_at(self, consumed: int) -> None:
+        """Continue as if `consumed` samples had already been drawn on this rank."""
+        self.epoch, self.position = divmod(consumed, self.per_rank())

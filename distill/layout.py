@@ -1,0 +1,45 @@
+"""What a Wan 2.2 teacher folder must contain, and how to tell what is missing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The diffusers layout of Wan-AI/Wan2.2-T2V-A14B-Diffusers. `transformer` is the high-noise
+# expert, `transformer_2` the low-noise one (diffusers' WanPipeline convention).
+DIFFUSERS_COMPONENTS = (
+    "model_index.json",
+    "text_encoder/",
+    "tokenizer/",
+    "vae/",
+    "transformer/",
+    "transformer_2/",
+    "scheduler/",
+)
+
+# The layout of the original Wan2.2-T2V-A14B release (Wan's own code, ComfyUI).
+ORIGINAL_COMPONENTS = (
+    "models_t5_umt5-xxl-enc-bf16.pth",
+    "Wan2.1_VAE.pth",
+    "high_noise_model/",
+    "low_noise_model/",
+)
+
+
+def missing_components(folder: str | Path, expected: tuple[str, ...] = DIFFUSERS_COMPONENTS) -> list[str]:
+    """The entries of `expected` absent from `folder` (names ending in '/' must be folders)."""
+    folder = Path(folder)
+    missing = []
+    for name in expected:
+        path = folder / name.rstrip("/")
+        present = path.is_dir() if name.endswith("/") else path.is_file()
+        if not present:
+            missing.append(name)
+    return missing
+
+
+def present_entries(folder: str | Path) -> list[str]:
+    """What the folder actually holds, for error messages (folders end with '/')."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())

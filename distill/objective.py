@@ -1,0 +1,54 @@
+"""The distillation objective as pure tensor functions: timesteps, noising, guidance, loss.
+
+Conventions follow Wan's flow matching (and diffusers' WanPipeline): sigma in [0, 1], timestep
+t = 1000 * sigma, x_t = (1 - sigma) * x0 + sigma * noise, and the models predict the velocity
+noise - x0. The schedule is shifted towards high noise exactly as Wan's sampler shifts it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """Wan's time shift: sigma' = shift * s / (1 + (shift - 1) * s), so shift > 1 favours high noise."""
+    return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
+
+
+def sample_sigmas(batch_size: int, shift: float, generator: torch.Generator) -> torch.Tensor:
+    """Draw training sigmas on the CPU: uniform in (0, 1), then shifted like the teacher's sampler.
+
+    Drawn on the CPU on purpose: routing samples to experts then needs no device-to-host sync.
+    """
+    uniform = torch.rand(batch_size, generator=generator, dtype=torch.float64)
+    # Keep away from the exact ends, where x_t is pure data or pure noise and t is out of range.
+    uniform = uniform.clamp(1e-4, 1.0 - 1e-4)
+    return shift_sigmas(uniform, shift).to(torch.float32)
+
+
+def sigmas_to_timesteps(sigmas: torch.Tensor) -> torch.Tensor:
+    return sigmas * NUM_TRAIN_TIMESTEPS
+
+
+def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """x_t = (1 - sigma) * x0 + sigma * noise, with one sigma per sample."""
+    sigma = sigmas.to(device=x0.device, dtype=x0.dtype).view(-1, *([1] * (x0.dim() - 1)))
+    return (1.0 - sigma) * x0 + sigma * noise
+
+
+def high_noise_mask(timesteps: torch.Tensor, boundary_ratio: float) -> torch.Tensor:
+    """True where the high-noise expert (`transformer`) handles the sample, as in WanPipeline."""
+    return timesteps >= boundary_ratio * NUM_TRAIN_TIMESTEPS
+
+
+def apply_guidance(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Classifier-free guidance: uncond + scale * (cond - uncond)."""
+    return uncond + scale * (cond - uncond)
+
+
+def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of each sample, computed in float32 (shape (B,))."""
+    diff = prediction.float() - target.float()
+    return diff.pow(2).flatten(1).mean(dim=1)

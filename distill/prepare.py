@@ -1,0 +1,176 @@
+"""Before training: fill the prompt-embedding cache (text encoder) and the clean-latent cache (teacher sampler).
+
+Each stage loads only the models it needs and frees them when done; a second run with the same
+teacher and settings finds both caches full and loads neither the text encoder nor runs a sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from distill.config import TrainConfig
+from distill.data import TensorCache, fill_cache, prompt_key
+from distill.teacher import TeacherInfo, free, load_text_encoder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheReport:
+    embeddings_built: int
+    latents_built: int
+
+
+def embedding_cache(cfg: TrainConfig, info: TeacherInfo, dtype: torch.dtype) -> TensorCache:
+    settings = {
+        "text_encoder": info.fingerprint("text_encoder", "tokenizer"),
+        "max_sequence_length": cfg.max_sequence_length,
+        "dtype": str(dtype),
+    }
+    return TensorCache(cfg.resolved_cache_dir / "embeddings", settings, "prompt-embedding").open()
+
+
+def latent_cache(
+    cfg: TrainConfig, info: TeacherInfo, dtype: torch.dtype, embeddings: TensorCache
+) -> TensorCache:
+    settings = {
+        "teacher": info.fingerprint("transformer", "transformer_2", "scheduler"),
+        "embeddings": embeddings.settings["text_encoder"],
+        "height": cfg.height,
+        "width": cfg.width,
+        "num_frames": cfg.num_frames,
+        "teacher_sample_steps": cfg.teacher_sample_steps,
+        "guidance_scale": cfg.guidance_scale,
+        "guidance_scale_2": cfg.guidance_scale_2,
+        "boundary_ratio": info.boundary_ratio,
+        "negative_prompt": cfg.negative_prompt,
+        "seed": cfg.seed,
+        "dtype": str(dtype),
+    }
+    return TensorCache(cfg.resolved_cache_dir / "latents", settings, "clean-latent").open()
+
+
+def fill_embedding_cache(
+    cache: TensorCache,
+    prompts: Sequence[str],
+    info: TeacherInfo,
+    max_length: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    show_progress: bool = True,
+) -> int:
+    """Encode the prompts the cache lacks; store each embedding trimmed to its real token count."""
+    todo = cache.missing(prompts)
+    if not todo:
+        return 0
+    logger.info("encoding %d prompt(s) with the teacher's text encoder", len(todo))
+    pipe = load_text_encoder(info, device, dtype)
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    truncated = 0
+
+    def encode(chunk: list[str]) -> list[torch.Tensor]:
+        nonlocal truncated
+        ids = pipe.tokenizer([prompt_clean(p) for p in chunk], add_special_tokens=True)["input_ids"]
+        lengths = [min(len(i), max_length) for i in ids]
+        truncated += sum(len(i) > max_length for i in ids)
+        with torch.no_grad():
+            embeds = pipe.encode_prompt(
+                chunk,
+                do_classifier_free_guidance=False,
+                max_sequence_length=max_length,
+                device=device,
+                dtype=dtype,
+            )[0]
+        return [e[:n].cpu() for e, n in zip(embeds, lengths)]
+
+    with tqdm(total=len(todo), desc="text embeddings", disable=not show_progress) as bar:
+        built = fill_cache(cache, todo, encode, batch_size=8, progress=bar.update)
+    if truncated:
+        logger.warning(
+            "%d prompt(s) are longer than %d tokens and were truncated (the text encoder's limit)",
+            truncated,
+            max_length,
+        )
+    free(pipe)
+    return built
+
+
+def prompt_seed(seed: int, prompt: str) -> int:
+    """A per-prompt sampling seed: independent of prompt order and of which rank samples it."""
+    return (seed * 1_000_003 + int(prompt_key(prompt)[:12], 16)) % (2**63)
+
+
+def fill_latent_cache(
+    cache: TensorCache,
+    prompts: Sequence[str],
+    embeddings: TensorCache,
+    negative: torch.Tensor,
+    cfg: TrainConfig,
+    info: TeacherInfo,
+    high: torch.nn.Module,
+    low: torch.nn.Module,
+    device: torch.device,
+    show_progress: bool = True,
+) -> int:
+    """Sample a clean latent x0 for each prompt the cache lacks, with the teacher's own sampler.
+
+    Runs diffusers' WanPipeline with both experts, their guidance scales and the teacher's
+    scheduler, and keeps the final latent (before the VAE), one prompt at a time with a seed
+    derived from the prompt, so the cache does not depend on batch composition or rank.
+    """
+    todo = cache.missing(prompts)
+    if not todo:
+        return 0
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    from distill.data import pad_embedding
+
+    scheduler = UniPCMultistepScheduler.from_pretrained(info.path, subfolder="scheduler")
+    pipe = WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=None,
+        scheduler=scheduler,
+        transformer=high,
+        transformer_2=low,
+        boundary_ratio=info.boundary_ratio,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    dtype = next(high.parameters()).dtype
+    negative_embeds = pad_embedding(negative, cfg.max_sequence_length)[None].to(device, dtype)
+    logger.info(
+        "sampling %d clean latent(s) with the teacher (%d steps, %dx%d, %d frame(s))",
+        len(todo),
+        cfg.teacher_sample_steps,
+        cfg.height,
+        cfg.width,
+        cfg.num_frames,
+    )
+
+    def sample(chunk: list[str]) -> list[torch.Tensor]:
+        prompt = chunk[0]
+        cond = pad_embedding(embeddings.get(prompt), cfg.max_sequence_length)[None].to(device, dtype)
+        with torch.no_grad():
+            latents = pipe(
+                prompt_embeds=cond,
+                negative_prompt_embeds=negative_embeds,
+                height=cfg.height,
+                width=cfg.width,
+                num_frames=cfg.num_frames,
+                num_inference_steps=cfg.teacher_sample_steps,
+                guidance_scale=cfg.guidance_scale,
+                guidance_scale_2=cfg.guidance_scale_2,
+                generator=torch.Generator("cpu").manual_seed(prompt_seed(cfg.seed, prompt)),
+                output_type="latent",
+                max_sequence_length=cfg.max_sequence_length,
+            ).frames
+        return [latents[0].float().cpu()]
+
+    with tqdm(total=len(todo), desc="teacher latents", disable=not show_progress) as bar:
+        return fill_cache(cache, todo, sample, batch_size=1, progress=bar.update)

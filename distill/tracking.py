@@ -1,0 +1,115 @@
+"""Where numbers go: the progress bar, `<output_dir>/metrics.jsonl` and wandb. Rank 0 only.
+
+wandb is a guest: if it cannot start or loses its connection, training goes on, the problem is
+reported once, and metrics.jsonl still has every logged step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+def has_wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+class Tracker:
+    """Progress bar, metrics file and (optional) wandb run for the main process; silent elsewhere."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        wandb_project: str | None = None,
+        wandb_mode: str = "online",
+        wandb_run_name: str | None = None,
+        wandb_run_id: str | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.metrics_path = Path(output_dir) / "metrics.jsonl"
+        self.bar = tqdm(
+            total=total_steps, initial=start_step, desc="distill", disable=not enabled, dynamic_ncols=True
+        )
+        self.run = None
+        self._last_time = time.perf_counter()
+        self._last_step = start_step
+        if enabled and wandb_project and wandb_mode != "disabled":
+            self.run = self._start_wandb(
+                output_dir, wandb_project, wandb_mode, wandb_run_name, wandb_run_id, config
+            )
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.run.id if self.run is not None else None
+
+    def _start_wandb(self, output_dir, project, mode, name, run_id, config) -> Any:
+        if mode == "online" and not has_wandb_key():
+            logger.warning(
+                "wandb: no API key found (WANDB_API_KEY or `wandb login`); logging offline instead"
+            )
+            mode = "offline"
+        try:
+            import wandb
+
+            return wandb.init(
+                project=project,
+                mode=mode,
+                name=name,
+                id=run_id,
+                resume="allow" if run_id else None,
+                dir=str(output_dir),
+                config=config,
+            )
+        except Exception as exc:
+            logger.warning(
+                "wandb could not start (%s: %s); training continues without it", type(exc).__name__, exc
+            )
+            return None
+
+    def advance(self, steps: int = 1) -> None:
+        self.bar.update(steps)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one logged step everywhere. `metrics` are plain floats (already synced)."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if step > self._last_step:
+            metrics = {**metrics, "steps_per_s": (step - self._last_step) / max(now - self._last_time, 1e-9)}
+        self._last_time, self._last_step = now, step
+        record = {"step": step, **metrics}
+        with self.metrics_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        self.bar.set_postfix(loss=f"{metrics['loss']:.4g}", lr=f"{metrics['lr']:.2e}", refresh=False)
+        if self.run is not None:
+            try:
+                self.run.log(metrics, step=step)
+            except Exception as exc:
+                logger.warning(
+                    "wandb logging failed (%s: %s); continuing without wandb", type(exc).__name__, exc
+                )
+                self.run = None
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.run is not None:
+            try:
+                self.run.finish()
+            except Exception as exc:
+                logger.warning("wandb did not finish cleanly (%s)", exc)
+            self.run = None

@@ -1,0 +1,452 @@
+"""Download the Wan 2.2 teacher (or a Wan 2.1 student initialisation), check a teacher folder,
+or write a tiny random teacher for tests and offline demos.
+
+    # The Wan 2.2 T2V A14B teacher (~120 GB) into models/Wan2.2-T2V-A14B-Diffusers:
+    python download_wan.py
+    # The Wan 2.1 T2V 1.3B model, whose transformer/ can initialise the student:
+    python download_wan.py --preset wan2.1-t2v-1.3b
+    # Any repository, revision, folder and token (the token defaults to $HF_TOKEN):
+    python download_wan.py --repo_id Wan-AI/Wan2.2-T2V-A14B-Diffusers --revision main \\
+        --local_dir /data/wan22 --token hf_xxx
+    # Check a folder that was copied by hand:
+    python download_wan.py --verify models/Wan2.2-T2V-A14B-Diffusers
+    # A tiny random teacher in the same layout (a second, no network):
+    python download_wan.py --tiny outputs/tiny_teacher --seed 0
+
+An interrupted download resumes where it stopped: run the same command again
+(huggingface_hub's snapshot_download skips finished files and continues partial ones).
+Progress bars come from huggingface_hub; HF_HUB_DISABLE_PROGRESS_BARS=1 turns them off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from distill.errors import DistillError, Stage, report
+from distill.layout import DIFFUSERS_COMPONENTS, ORIGINAL_COMPONENTS, missing_components, present_entries
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A known repository and what this project needs from it."""
+
+    repo_id: str
+    """The Hugging Face Hub repository."""
+    required: tuple[str, ...]
+    """The entries that must be present after the download (see distill.layout)."""
+    role: str
+    """What the download is for, shown to the user."""
+
+
+PRESETS = {
+    "wan2.2-t2v-a14b": Preset("Wan-AI/Wan2.2-T2V-A14B-Diffusers", DIFFUSERS_COMPONENTS, "teacher"),
+    # Only the transformer is used: it initialises the student. Its VAE and text encoder are
+    # the same as the teacher's, which the teacher download already provides.
+    "wan2.1-t2v-1.3b": Preset(
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", ("transformer/",), "student initialisation"
+    ),
+}
+DEFAULT_PRESET = "wan2.2-t2v-a14b"
+
+# The file each component folder must hold for diffusers/transformers to load it.
+COMPONENT_CONFIGS = {
+    "text_encoder": ("config.json",),
+    "transformer": ("config.json",),
+    "transformer_2": ("config.json",),
+    "vae": ("config.json",),
+    "scheduler": ("scheduler_config.json",),
+    "tokenizer": ("tokenizer_config.json",),
+}
+WEIGHTED_COMPONENTS = ("text_encoder", "transformer", "transformer_2", "vae")
+# A tokenizer needs its vocabulary in one of these forms (fast tokenizer or SentencePiece).
+TOKENIZER_VOCABS = ("tokenizer.json", "spiece.model")
+
+# Exception class names that mean "the network is down" across huggingface_hub versions
+# (requests before 1.0, httpx after, httpx2 in 2.x), so no HTTP library is imported here.
+_NETWORK_ERROR_NAMES = {
+    "ConnectError",
+    "ConnectionError",
+    "ConnectTimeout",
+    "LocalEntryNotFoundError",
+    "NetworkError",
+    "OfflineModeIsEnabled",
+    "ProxyError",
+    "ReadTimeout",
+    "RemoteProtocolError",
+    "TimeoutException",
+    "TransportError",
+    "gaierror",
+}
+_OFFLINE_VALUES = {"1", "on", "yes", "true"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: returns the process exit code (0 on success)."""
+    args = parse_args(argv)
+    try:
+        if args.tiny is not None:
+            return write_tiny(Path(args.tiny), args.seed or 0, args.overwrite)
+        if args.verify is not None:
+            return verify(Path(args.verify))
+        return download(args)
+    except DistillError as error:
+        return report(error)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="download_wan.py",
+        description="Download the Wan 2.2 teacher, verify a teacher folder, or write a tiny test teacher.",
+        epilog="Exit codes: 0 OK, 2 usage error, 4 --tiny folder refused, 5 download or teacher folder problem.",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--tiny", metavar="DIR", help="write a tiny random teacher to DIR (no network)")
+    mode.add_argument("--verify", metavar="DIR", help="check that DIR holds a complete diffusers teacher")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help=f"known repository (default: {DEFAULT_PRESET})",
+    )
+    source.add_argument("--repo_id", help="any Hub repository in the diffusers layout")
+    parser.add_argument("--local_dir", help="download folder (default: models/<repository name>)")
+    parser.add_argument("--revision", help="branch, tag or commit of the repository")
+    parser.add_argument("--token", help="Hub access token (default: $HF_TOKEN, then `hf auth login`)")
+    parser.add_argument("--seed", type=int, help="with --tiny: seed of the random weights (default: 0)")
+    parser.add_argument("--overwrite", action="store_true", help="with --tiny: replace a non-empty DIR")
+    args = parser.parse_args(argv)
+    _reject_stray_options(parser, args)
+    return args
+
+
+def _reject_stray_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Options that would be silently ignored are usage errors instead."""
+    download_opts = [
+        flag
+        for flag, value in (
+            ("--preset", args.preset),
+            ("--repo_id", args.repo_id),
+            ("--local_dir", args.local_dir),
+            ("--revision", args.revision),
+            ("--token", args.token),
+        )
+        if value is not None
+    ]
+    local_mode = "--tiny" if args.tiny is not None else "--verify" if args.verify is not None else None
+    if local_mode and download_opts:
+        parser.error(f"{', '.join(download_opts)} cannot be combined with {local_mode}")
+    if args.tiny is None and (args.overwrite or args.seed is not None):
+        parser.error("--seed and --overwrite only apply to --tiny")
+
+
+# --- download -------------------------------------------------------------------------------
+
+
+def download(args: argparse.Namespace) -> int:
+    """Fetch the repository with resumable snapshot_download, then check what arrived."""
+    preset = _resolve_preset(args.preset, args.repo_id)
+    local_dir = Path(args.local_dir or Path("models") / preset.repo_id.split("/")[-1])
+    token = args.token or os.environ.get("HF_TOKEN") or None
+    if _offline_requested():
+        # Decided here rather than by snapshot_download, which returns a partial local_dir with
+        # only a warning when offline.
+        if missing_components(local_dir, preset.required):
+            raise hub_unreachable(preset, local_dir, "HF_HUB_OFFLINE is set")
+        print(f"HF_HUB_OFFLINE is set: not contacting the Hub, checking the existing {local_dir}")
+        return _check_download(preset, local_dir)
+    print(f"Downloading {preset.repo_id} ({preset.role}) into {local_dir} (resumes if interrupted)")
+    try:
+        _snapshot(preset, local_dir, args.revision, token)
+    except KeyboardInterrupt:
+        print("\nInterrupted: run the same command again to resume the download.", file=sys.stderr)
+        return 130  # the shell's code for Ctrl-C
+    return _check_download(preset, local_dir)
+
+
+def _resolve_preset(preset_name: str | None, repo_id: str | None) -> Preset:
+    if repo_id is None:
+        return PRESETS[preset_name or DEFAULT_PRESET]
+    known = {p.repo_id: p for p in PRESETS.values()}
+    # An unknown repository is checked as a teacher: that is what this script is for.
+    return known.get(repo_id, Preset(repo_id, DIFFUSERS_COMPONENTS, "teacher"))
+
+
+def _snapshot(preset: Preset, local_dir: Path, revision: str | None, token: str | None) -> None:
+    # Imported here so that --help and --verify stay fast.
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    repo_id = preset.repo_id
+    try:
+        snapshot_download(repo_id=repo_id, local_dir=local_dir, revision=revision, token=token)
+    except GatedRepoError as error:
+        raise _access_error(repo_id, "the repository is gated", error) from None
+    except RevisionNotFoundError as error:
+        raise DistillError(
+            f"Revision {revision!r} does not exist in {repo_id}",
+            _first_line(error),
+            fixes=["Pass an existing branch, tag or commit with --revision, or leave it out for 'main'."],
+            stage=Stage.TEACHER_LOAD,
+        ) from None
+    except RepositoryNotFoundError as error:
+        raise _access_error(repo_id, "the repository was not found or needs a login", error) from None
+    except Exception as error:
+        if _is_network_error(error):
+            raise hub_unreachable(preset, local_dir, _network_reason(error)) from None
+        if _http_status(error) in (401, 403):
+            raise _access_error(repo_id, "the Hub refused the token", error) from None
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            raise DistillError(
+                f"The disk under {local_dir} is full",
+                _first_line(error),
+                fixes=[
+                    "Free space (the A14B teacher needs about 130 GB), or pass --local_dir on a bigger disk.",
+                    "Then run the same command again: finished files are kept.",
+                ],
+                stage=Stage.TEACHER_LOAD,
+            ) from None
+        raise
+
+
+def _check_download(preset: Preset, local_dir: Path) -> int:
+    """Verify what arrived: the whole teacher layout, or only the folders the preset needs."""
+    problems = [f"missing {name}" for name in missing_components(local_dir, preset.required)]
+    for name in preset.required:
+        folder = local_dir / name.rstrip("/")
+        if folder.is_dir() and folder.name in COMPONENT_CONFIGS:
+            problems += _component_problems(folder, COMPONENT_CONFIGS[folder.name])
+    if preset.required == DIFFUSERS_COMPONENTS:
+        problems += _model_index_problems(local_dir / "model_index.json")
+    if problems:
+        raise DistillError(
+            f"The download of {preset.repo_id} is incomplete",
+            _problem_details(local_dir, problems),
+            causes=[
+                "The download was interrupted.",
+                "The repository does not have the Wan diffusers layout.",
+            ],
+            fixes=["Run the same command again: finished files are kept and the rest resumes."],
+            stage=Stage.TEACHER_LOAD,
+        )
+    print(f"OK: {local_dir} holds {', '.join(preset.required)} ({preset.role}).")
+    return 0
+
+
+def hub_unreachable(preset: Preset, local_dir: Path, reason: str) -> DistillError:
+    """The banner for a machine that cannot reach huggingface.co: how to copy the weights by hand."""
+    repo_id, name = preset.repo_id, local_dir.name
+    if _offline_requested():
+        causes = ["HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1) is set: unset it on a machine with internet."]
+    else:
+        causes = [
+            "This machine has no internet access (air-gapped cluster, firewall, DNS failure).",
+            "A proxy is required but HTTPS_PROXY is not set.",
+        ]
+    if preset.required == DIFFUSERS_COMPONENTS:
+        check = f"Check it: python download_wan.py --verify {local_dir}"
+    else:
+        check = f"Only {', '.join(preset.required)} is used: check it holds config.json and *.safetensors."
+    return DistillError(
+        "The Hugging Face Hub cannot be reached",
+        f"Could not download {repo_id} ({preset.role}): {reason}",
+        causes=causes,
+        fixes=[
+            f"On a machine with internet run: hf download {repo_id} --local-dir {name}"
+            f"  (huggingface_hub < 1.0: huggingface-cli download {repo_id} --local-dir {name})",
+            f"Copy the folder to this machine: rsync -a --partial {name}/ <this-host>:{local_dir.absolute()}/"
+            "  (or scp -r)",
+            check,
+            "To try the trainer without any weights: python download_wan.py --tiny outputs/tiny_teacher",
+        ],
+        stage=Stage.TEACHER_LOAD,
+    )
+
+
+def _access_error(repo_id: str, what: str, error: BaseException) -> DistillError:
+    return DistillError(
+        f"Cannot access {repo_id}: {what}",
+        _first_line(error),
+        causes=[
+            "The repository id is misspelt (it is case-sensitive).",
+            "The repository is gated or private and no valid token was sent.",
+        ],
+        fixes=[
+            "Check the id on https://huggingface.co/" + repo_id,
+            "Accept the licence on the model page, then pass --token hf_... or set HF_TOKEN "
+            "(or run `hf auth login`).",
+        ],
+        stage=Stage.TEACHER_LOAD,
+    )
+
+
+def _offline_requested() -> bool:
+    # Read at call time: huggingface_hub only reads HF_HUB_OFFLINE when it is first imported.
+    return any(
+        os.environ.get(name, "").strip().lower() in _OFFLINE_VALUES
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def _is_network_error(error: BaseException) -> bool:
+    """Whether `error`, or anything it was raised from, means the Hub could not be reached."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionError, TimeoutError)):
+            return True
+        if any(cls.__name__ in _NETWORK_ERROR_NAMES for cls in type(current).__mro__):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _network_reason(error: BaseException) -> str:
+    """The innermost network error (e.g. 'ConnectError: Name or service not known'), not the wrapper."""
+    reason = _first_line(error)
+    current: BaseException | None = error
+    for _ in range(8):  # cause chains are short; the bound guards against cycles
+        current = current.__cause__ or current.__context__
+        if current is None:
+            break
+        if _is_network_error(current):
+            reason = f"{type(current).__name__}: {_first_line(current)}"
+    return reason
+
+
+def _http_status(error: BaseException) -> int | None:
+    response = getattr(error, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# --- verify ---------------------------------------------------------------------------------
+
+
+def verify(folder: Path) -> int:
+    """Check that `folder` is a complete Wan 2.2 teacher in the diffusers layout; print the result."""
+    problems = teacher_problems(folder)
+    if problems:
+        causes = ["The download or copy was interrupted.", "The folder is not the -Diffusers repository."]
+        if not missing_components(folder, ORIGINAL_COMPONENTS):
+            causes.insert(0, "This is the ORIGINAL Wan 2.2 layout (high_noise_model/, low_noise_model/).")
+        raise DistillError(
+            f"{folder} is not a complete Wan 2.2 diffusers teacher",
+            _problem_details(folder, problems),
+            causes=causes,
+            fixes=[
+                "Resume the download: python download_wan.py --local_dir " + str(folder),
+                "Or copy the missing parts from a complete copy, then run --verify again.",
+            ],
+            stage=Stage.TEACHER_LOAD,
+        )
+    print(f"OK: {folder} is a complete Wan 2.2 diffusers teacher ({', '.join(DIFFUSERS_COMPONENTS)}).")
+    return 0
+
+
+def teacher_problems(folder: Path) -> list[str]:
+    """Everything that would stop `folder` from loading as a Wan 2.2 teacher (empty if none)."""
+    if not folder.is_dir():
+        return [f"{folder} does not exist or is not a folder"]
+    problems = [f"missing {name}" for name in missing_components(folder, DIFFUSERS_COMPONENTS)]
+    problems += _model_index_problems(folder / "model_index.json")
+    for component, configs in COMPONENT_CONFIGS.items():
+        if (folder / component).is_dir():
+            problems += _component_problems(folder / component, configs)
+    return problems
+
+
+def _model_index_problems(path: Path) -> list[str]:
+    if not path.is_file():
+        return []  # already reported as missing
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        return [f"model_index.json does not parse: {error}"]
+    if not isinstance(index, dict):
+        return ["model_index.json is not a JSON object"]
+    problems = []
+    if "boundary_ratio" not in index:
+        problems.append("model_index.json names no boundary_ratio (a Wan 2.1 single-expert model?)")
+    if "transformer_2" not in index:
+        problems.append("model_index.json names no transformer_2 (the low-noise expert)")
+    return problems
+
+
+def _component_problems(component: Path, configs: tuple[str, ...]) -> list[str]:
+    name = component.name
+    problems = [f"{name}/{c} is missing" for c in configs if not (component / c).is_file()]
+    if name == "tokenizer" and not any((component / v).is_file() for v in TOKENIZER_VOCABS):
+        problems.append(f"tokenizer/ has no vocabulary ({' or '.join(TOKENIZER_VOCABS)})")
+    if name in WEIGHTED_COMPONENTS:
+        problems += _weight_problems(component)
+    return problems
+
+
+def _weight_problems(component: Path) -> list[str]:
+    """Missing weights, including shards an index names but an interrupted copy left out."""
+    name = component.name
+    indexes = sorted(component.glob("*.index.json"))
+    weights = [p for p in component.iterdir() if p.suffix in (".safetensors", ".bin")]
+    if not indexes and not weights:
+        return [f"{name}/ has no weight files (*.safetensors)"]
+    problems = []
+    for index in indexes:
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            problems.append(f"{name}/{index.name} does not parse: {error}")
+            continue
+        problems += [
+            f"{name}/{s} is missing (listed in {index.name})"
+            for s in sorted(shards)
+            if not (component / s).is_file()
+        ]
+    return problems
+
+
+def _found(folder: Path) -> str:
+    entries = present_entries(folder)
+    return ", ".join(entries) if entries else "(nothing)"
+
+
+def _problem_details(folder: Path, problems: list[str]) -> str:
+    return "Problems:\n" + "\n".join(f"- {p}" for p in problems) + f"\nFound in {folder}: {_found(folder)}"
+
+
+# --- tiny -----------------------------------------------------------------------------------
+
+
+def write_tiny(out_dir: Path, seed: int, overwrite: bool) -> int:
+    """Write the tiny random teacher and say what it holds."""
+    from distill.tiny import TinyTeacherShape, write_tiny_teacher  # imports torch and diffusers
+
+    shape = TinyTeacherShape()
+    path = write_tiny_teacher(out_dir, seed=seed, shape=shape, overwrite=overwrite)
+    total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    print(f"Wrote a tiny random Wan 2.2 T2V A14B teacher (seed {seed}) to {path} ({total / 1024:.0f} KiB):")
+    for entry in present_entries(path):
+        files = sorted(p.name for p in (path / entry).iterdir()) if entry.endswith("/") else []
+        print(f"  {entry:<18} {' '.join(files)}")
+    print(
+        f"  experts: {shape.num_layers} layers, {shape.num_attention_heads} heads x {shape.attention_head_dim}, "
+        f"text_dim {shape.text_dim}, boundary_ratio {shape.boundary_ratio} "
+        "(transformer/ = high noise, transformer_2/ = low noise)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Wan 2.2 T2V A14B teacher (seed 0, default shape), built once per session.
+
+    Shared by many tests: copy it (shutil.copytree) before changing anything in it.
+    """
+    from distill.tiny import write_tiny_teacher  # imports torch and diffusers
+
+    return write_tiny_teacher(tmp_path_factory.mktemp("tiny_teacher") / "teacher", seed=0)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_args(teacher: Path, output_dir: Path, cache_dir: Path, **overrides: object) -> list[str]:
+    """Command-line arguments of a small, fast training run on a tiny teacher."""
+    settings: dict[str, object] = {
+        "teacher_path": teacher,
+        "student_config": REPO / "config" / "student_tiny.json",
+        "data_path": REPO / "data" / "static_prompts.txt",
+        "output_dir": output_dir,
+        "cache_dir": cache_dir,
+        "height": 16,
+        "width": 16,
+        "num_frames": 1,
+        "teacher_sample_steps": 2,
+        "max_prompts": 8,
+        "batch_size": 2,
+        "num_steps": 6,
+        "lr": 1e-3,
+        "log_every": 1,
+        "checkpoint_every": 0,
+        "seed": 0,
+    }
+    settings.update(overrides)
+    args: list[str] = []
+    for key, value in settings.items():
+        if value is True:
+            args.append(f"--{key}")
+        elif value is not None and value is not False:
+            args += [f"--{key}", str(value)]
+    return args
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache folder shared by runs with the default train_args settings (built once)."""
+    return tmp_path_factory.mktemp("cache")

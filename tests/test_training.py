@@ -1,0 +1,231 @@
+"""End-to-end runs of the trainer on the tiny real teacher: no mocks, real caches, real checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, train_args
+from diffusers import WanPipeline, WanTransformer3DModel
+from safetensors.torch import load_file
+
+from distill.config import parse_config
+from distill.student import build_student, load_student_config
+from distill.tiny import TinyTeacherShape, write_tiny_teacher
+from distill.trainer import Distiller
+from train_distillation import main
+
+
+def run(args):
+    return Distiller(parse_config(args)).run()
+
+
+def weights(folder):
+    return load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+
+
+def test_loss_falls_clearly_from_a_random_student(tiny_teacher, tmp_path):
+    result = run(
+        train_args(
+            tiny_teacher,
+            tmp_path / "out",
+            tmp_path / "cache",
+            height=32,
+            width=32,
+            max_prompts=32,
+            num_steps=300,
+            lr=3e-3,
+            batch_size=4,
+            log_every=10,
+            lr_warmup_steps=10,
+        )
+    )
+    assert result.steps == 300
+    # The first logged value averages steps 1-10; the student must end far below it.
+    assert result.last_loss < result.first_loss / 3, (result.first_loss, result.last_loss)
+    lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(10, 301, 10))
+    assert all({"loss", "lr", "grad_norm"} <= set(r) for r in lines)
+    assert any("loss_high_noise" in r for r in lines) and any("loss_low_noise" in r for r in lines)
+
+
+def test_second_run_reuses_both_caches(tiny_teacher, tmp_path):
+    cache = tmp_path / "cache"
+    first = run(train_args(tiny_teacher, tmp_path / "a", cache, num_steps=1))
+    assert first.embeddings_built == 9  # 8 prompts + the (empty) negative prompt
+    assert first.latents_built == 8
+    stamps = {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")}
+    second = run(train_args(tiny_teacher, tmp_path / "b", cache, num_steps=1))
+    assert (second.embeddings_built, second.latents_built) == (0, 0)
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")} == stamps
+
+
+def test_latent_cache_with_other_settings_is_refused_with_folder_to_delete(
+    tiny_teacher, shared_cache, tmp_path, capsys
+):
+    run(train_args(tiny_teacher, tmp_path / "a", shared_cache, num_steps=1))
+    code = main(train_args(tiny_teacher, tmp_path / "b", shared_cache, num_steps=1, teacher_sample_steps=3))
+    err = capsys.readouterr().err
+    assert code == 6
+    assert "teacher_sample_steps: cache has 2, this run has 3" in err
+    assert f"delete {shared_cache / 'latents'}" in err
+
+
+def test_interrupted_then_resumed_run_equals_uninterrupted_bitwise(
+    tiny_teacher, shared_cache, tmp_path, monkeypatch
+):
+    common = dict(num_steps=8, checkpoint_every=3, ema_decay=0.9)
+    straight = run(train_args(tiny_teacher, tmp_path / "straight", shared_cache, **common))
+
+    monkeypatch.setenv("DISTILL_INJECT_FAULT", "exception:6")
+    with pytest.raises(RuntimeError, match="injected exception at step 6"):
+        run(train_args(tiny_teacher, tmp_path / "resumed", shared_cache, **common))
+    monkeypatch.delenv("DISTILL_INJECT_FAULT")
+    resumed = run(train_args(tiny_teacher, tmp_path / "resumed", shared_cache, **common))
+
+    assert resumed.resumed_from.name == "step_00000003"
+    for name in ("student", "student_ema"):
+        a, b = weights(straight.output_dir / name), weights(resumed.output_dir / name)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    # and the resumed half logged the same losses as the straight run
+    straight_log = (straight.output_dir / "metrics.jsonl").read_text().splitlines()
+    resumed_log = (resumed.output_dir / "metrics.jsonl").read_text().splitlines()
+    loss = lambda line: json.loads(line)["loss"]  # noqa: E731
+    assert [loss(x) for x in straight_log[3:]] == [loss(x) for x in resumed_log[-5:]]
+
+
+def test_checkpoints_are_pruned_to_keep_last(tiny_teacher, shared_cache, tmp_path):
+    result = run(
+        train_args(tiny_teacher, tmp_path / "out", shared_cache, num_steps=7, checkpoint_every=2, keep_last=2)
+    )
+    names = sorted(p.name for p in (result.output_dir / "checkpoints").iterdir())
+    assert names == ["step_00000006", "step_00000007"]
+    assert all((result.output_dir / "checkpoints" / n / "COMPLETE").is_file() for n in names)
+
+
+def test_gradient_checkpointing_gives_identical_loss_and_grads(tiny_teacher):
+    config = load_student_config(
+        REPO / "config" / "student_tiny.json",
+        json.loads((tiny_teacher / "transformer" / "config.json").read_text()),
+    )
+    plain, checkpointed = build_student(config, seed=0).train(), build_student(config, seed=0).train()
+    checkpointed.enable_gradient_checkpointing()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, 1, 4, 4, generator=gen)
+    text = torch.randn(2, 7, 32, generator=gen)
+    t = torch.tensor([900.0, 200.0])
+    target = torch.randn(2, 16, 1, 4, 4, generator=gen)
+    losses, grads = [], []
+    for model in (plain, checkpointed):
+        loss = (
+            (model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0] - target)
+            .pow(2)
+            .mean()
+        )
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert torch.equal(losses[0], losses[1])
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_exported_student_runs_in_wan_pipeline_as_image_and_video(tiny_teacher, shared_cache, tmp_path):
+    result = run(
+        train_args(tiny_teacher, tmp_path / "out", shared_cache, num_steps=2, gradient_checkpointing=True)
+    )
+    student = WanTransformer3DModel.from_pretrained(result.student_dir)
+    teacher = WanPipeline.from_pretrained(tiny_teacher)
+    pipe = WanPipeline(
+        tokenizer=teacher.tokenizer,
+        text_encoder=teacher.text_encoder,
+        vae=teacher.vae,
+        scheduler=teacher.scheduler,
+        transformer=student,
+        transformer_2=None,
+        boundary_ratio=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    for frames in (1, 5):
+        out = pipe(
+            prompt="a red cube",
+            height=16,
+            width=16,
+            num_frames=frames,
+            num_inference_steps=2,
+            guidance_scale=1.0,
+            output_type="np",
+        ).frames
+        assert out.shape == (1, frames, 16, 16, 3)
+        assert np.isfinite(out).all() and out.min() >= 0 and out.max() <= 1
+    saved = json.loads((result.output_dir / "run_config.json").read_text())
+    assert saved["num_steps"] == 2 and saved["gradient_checkpointing"] is True
+
+
+def test_any_valid_teacher_shape_and_video_mode(tmp_path):
+    shape = TinyTeacherShape(
+        num_layers=3, num_attention_heads=4, attention_head_dim=8, ffn_dim=48, text_dim=16, boundary_ratio=0.7
+    )
+    teacher = write_tiny_teacher(tmp_path / "teacher", seed=3, shape=shape)
+    student_config = tmp_path / "student.json"
+    student_config.write_text(
+        json.dumps({"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 8, "ffn_dim": 16})
+    )
+    result = run(
+        train_args(
+            teacher,
+            tmp_path / "out",
+            tmp_path / "cache",
+            student_config=student_config,
+            num_frames=5,
+            height=32,
+            width=16,
+            num_steps=3,
+            student_init="teacher",
+        )
+    )
+    student = WanTransformer3DModel.from_pretrained(result.student_dir)
+    assert student.config.text_dim == 16 and student.config.num_layers == 1
+    latent = next((tmp_path / "cache" / "latents").glob("*.safetensors"))
+    assert load_file(str(latent))["value"].shape == (16, 2, 4, 2)
+
+
+def test_mismatched_teacher_is_a_clear_error(tmp_path, capsys):
+    teacher = write_tiny_teacher(tmp_path / "teacher", seed=1, shape=TinyTeacherShape(text_dim=16))
+    code = main(train_args(teacher, tmp_path / "out", tmp_path / "cache"))
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "text_dim" in err and "16" in err and "student_tiny.json" in err
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_bad_student_config_exits_non_zero_with_message(tiny_teacher, tmp_path):
+    bad = tmp_path / "student.json"
+    bad.write_text(json.dumps({"hidden_size": 256, "depth": 4, "num_heads": 4, "num_channels": 4}))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train_distillation.py"),
+            *train_args(tiny_teacher, tmp_path / "out", tmp_path / "c", student_config=bad),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 3
+    assert "num_channels" in proc.stderr and "16" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_dry_run_prints_plan_and_writes_nothing(tiny_teacher, tmp_path, capsys):
+    code = main(train_args(tiny_teacher, tmp_path / "out", tmp_path / "cache", dry_run=True))
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "student" in out and "memory per device" in out
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
