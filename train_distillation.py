@@ -1,47 +1,100 @@
 """Distil the Wan 2.2 A14B teacher into a compact WanTransformer3DModel student.
 
+One process:
     python train_distillation.py \\
         --teacher_path Wan-AI/Wan2.2-T2V-A14B-Diffusers \\
         --student_config config/student_config.json \\
         --data_path data/static_prompts.txt \\
         --output_dir outputs/run1
 
+Data-parallel on one node (same flags):
+    torchrun --standalone --nproc_per_node=8 train_distillation.py ...
+
 `python train_distillation.py --help` lists every setting; `--config run.yaml` reads them from a file.
-The student is written to <output_dir>/student/ in diffusers format.
+Every failure ends with a banner on stderr naming the rank, what went wrong and how to fix it, and
+an exit code per stage (see TORCHRUN_ERROR_FIXES.md). The student is written to <output_dir>/student/.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import record
 
-def setup_logging() -> None:
+# A run stopped by a preemption signal saved its checkpoint and is not finished: EX_TEMPFAIL tells
+# schedulers and retry loops to run it again.
+EXIT_PREEMPTED = 75
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs at INFO; other ranks only warnings, so the console is not repeated N times."""
+    prefix = f"[Rank {rank}] " if os.environ.get("RANK") is not None else ""
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
     )
-    # diffusers/transformers are chatty at INFO; their warnings still show.
     for name in ("diffusers", "transformers", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from distill.config import parse_config
-    from distill.errors import DistillError, report
+def run(argv: list[str]) -> int:
+    import torch
 
-    setup_logging()
+    from distill import distributed
+    from distill.config import parse_config
+    from distill.errors import DistillError, Progress, Stage, out_of_memory_error, report, unexpected_error
+
+    Progress.argv = argv
+    Progress.enter(Stage.ARGV)
     try:
         cfg = parse_config(argv)
+        if cfg.distributed and not distributed.launched_by_torchrun():
+            raise DistillError(
+                "--distributed was given, but this process was not started by torchrun",
+                "Data-parallel training is chosen by the launcher: torchrun starts one process per GPU.",
+                fixes=[
+                    "torchrun --standalone --nproc_per_node=N train_distillation.py ...",
+                    "or drop --distributed for a single-process run",
+                ],
+                stage=Stage.ARGV,
+            )
+        Progress.enter(Stage.SETUP)
+        debug = cfg.debug_distributed or os.environ.get("DISTILL_DEBUG") == "1"
+        ctx = distributed.setup(cfg.backend, cfg.device, cfg.dist_timeout, debug)
         from distill.trainer import Distiller
 
-        distiller = Distiller(cfg)
+        Progress.enter(Stage.TEACHER_LOAD)
+        distiller = Distiller(cfg, ctx)
         if cfg.dry_run:
-            print("dry run: every setting, the teacher layout, the student config and the prompts are valid.")
-            print(distiller.plan())
+            if ctx.is_main:
+                print(
+                    "dry run: every setting, the teacher layout, the student config and the prompts are valid."
+                )
+                print(distiller.plan())
             return 0
         result = distiller.run()
     except DistillError as error:
         return report(error)
+    except (torch.OutOfMemoryError, MemoryError) as error:
+        return report(out_of_memory_error(error))
+    except KeyboardInterrupt:
+        return report(
+            DistillError("interrupted", "rerun with --resume auto to continue", stage=Stage.TRAINING)
+        )
+    except Exception as error:  # anything else still gets a banner, with its traceback
+        return report(unexpected_error(error))
+    finally:
+        distributed.teardown()
+    if not ctx.is_main:
+        return EXIT_PREEMPTED if result.stopped_by_signal else 0
+    if result.stopped_by_signal:
+        print(f"stopped by {result.stopped_by_signal} at step {result.steps}; checkpoint saved.")
+        print("rerun the same command (with --resume auto, the default) to continue.")
+        return EXIT_PREEMPTED
     print(f"done: {result.steps} steps, loss {result.first_loss:.4g} -> {result.last_loss:.4g}")
     print(f"student (diffusers format): {result.student_dir}")
     if result.ema_dir:
@@ -49,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"metrics:                   {result.output_dir / 'metrics.jsonl'}")
     print(f"checkpoints:               {result.output_dir / 'checkpoints'}")
     return 0
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    setup_logging(int(os.environ.get("RANK", "0")))
+    return run(list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -97,6 +97,26 @@ class TrainConfig:
     num_workers: int = _opt(0, "DataLoader worker processes reading the clean-latent cache.")
     device: str = _opt("auto", "auto (cuda when available), cuda, cuda:N or cpu.")
 
+    # --- distributed ------------------------------------------------------------------------
+    backend: str = _opt(
+        "auto",
+        "Process-group backend under torchrun; auto = nccl with CUDA, gloo without (DDP_BACKEND overrides auto).",
+        ("auto", "nccl", "gloo"),
+    )
+    dist_timeout: float = _opt(
+        60.0, "Minutes a collective may wait for the other ranks (covers teacher loading)."
+    )
+    distributed: bool = _opt(
+        False, "Accepted for compatibility: torchrun alone decides; checked against how the run was launched."
+    )
+    debug_distributed: bool = _opt(
+        False,
+        "Log every setup step per rank and turn on NCCL/torch.distributed debug output (or DISTILL_DEBUG=1).",
+    )
+    max_bad_steps: int = _opt(
+        10, "Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)."
+    )
+
     # --- bookkeeping ------------------------------------------------------------------------
     log_every: int = _opt(10, "Log loss/lr every N steps (one host sync per logged step).")
     checkpoint_every: int = _opt(500, "Save a resumable checkpoint every N steps (0 = only at the end).")
@@ -137,6 +157,7 @@ class TrainConfig:
             "max_sequence_length",
             "log_every",
             "keep_last",
+            "max_bad_steps",
         ]
         for name in positive + ["num_steps", "num_epochs", "max_prompts"]:
             value = getattr(self, name)
@@ -144,6 +165,8 @@ class TrainConfig:
                 raise _config_error(
                     name, f"must be a positive integer, got {value}", f"set --{name} to 1 or more"
                 )
+        if self.dist_timeout <= 0:
+            raise _config_error("dist_timeout", "must be positive (minutes)", "try --dist_timeout 60")
         for name in ("checkpoint_every", "lr_warmup_steps", "num_workers"):
             if getattr(self, name) < 0:
                 raise _config_error(name, "must be 0 or more", f"set --{name} 0")
@@ -209,9 +232,75 @@ def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake becomes our banner (rank-aware, with the fix) instead of a bare usage line."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise DistillError(
+            f"bad command line: {message}",
+            fixes=["`python train_distillation.py --help` lists every flag and its values"],
+            stage=Stage.ARGV,
+        )
+
+
+# torchrun's own flags: given after the script name they reach the trainer instead of torchrun.
+TORCHRUN_FLAGS = (
+    "--nproc_per_node",
+    "--nproc-per-node",
+    "--nnodes",
+    "--node_rank",
+    "--node-rank",
+    "--master_addr",
+    "--master-addr",
+    "--master_port",
+    "--master-port",
+    "--standalone",
+    "--rdzv_endpoint",
+    "--rdzv-endpoint",
+    "--rdzv_backend",
+    "--rdzv-backend",
+    "--rdzv_id",
+    "--rdzv-id",
+    "--max_restarts",
+    "--max-restarts",
+)
+
+
+def _unknown_argument_error(unknown: list[str], flags: list[str]) -> DistillError:
+    first = unknown[0]
+    name = first.split("=")[0]
+    if name in TORCHRUN_FLAGS:
+        return DistillError(
+            f"{name} is a torchrun flag, but it came after the script name, so torchrun never saw it",
+            fixes=[f"put it before the script: torchrun {first} train_distillation.py ..."],
+            stage=Stage.ARGV,
+        )
+    if not first.startswith("-"):
+        looks_like_path = "/" in first or "." in Path(first).name
+        hint = (
+            f" It looks like a path: did you mean --config {first}, --data_path {first} or --teacher_path {first}?"
+            if looks_like_path
+            else ""
+        )
+        return DistillError(
+            f"unexpected value {first!r} where a flag was expected.{hint}",
+            "Every setting is given as --name value; a value without its flag (or a flag with two values) ends here.",
+            fixes=[
+                "put the flag name before the value",
+                "`python train_distillation.py --help` lists every flag",
+            ],
+            stage=Stage.ARGV,
+        )
+    return DistillError(
+        f"unrecognised argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)}.{_did_you_mean(name, flags)}",
+        fixes=["`python train_distillation.py --help` lists every flag"],
+        stage=Stage.ARGV,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser with one flag per TrainConfig field (defaults suppressed, see parse_config)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="train_distillation.py",
         description="Distil the Wan 2.2 A14B teacher into a compact WanTransformer3DModel student.",
         argument_default=argparse.SUPPRESS,
@@ -289,13 +378,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     given, unknown = parser.parse_known_args(argv)
     if unknown:
         flags = [opt for action in parser._actions for opt in action.option_strings]
-        first = unknown[0]
-        hint = _did_you_mean(first.split("=")[0], flags) if first.startswith("-") else ""
-        raise DistillError(
-            f"unrecognised argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)}.{hint}",
-            fixes=["`python train_distillation.py --help` lists every flag"],
-            stage=Stage.ARGV,
-        )
+        raise _unknown_argument_error(unknown, flags)
     values: dict[str, Any] = {}
     if getattr(given, "config", None):
         values.update(load_config_file(given.config))

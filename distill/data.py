@@ -219,40 +219,40 @@ def pad_embedding(embedding: torch.Tensor, max_length: int) -> torch.Tensor:
 
 
 class ResumableSampler(torch.utils.data.Sampler[int]):
-    """Shuffled epochs that any rank can re-create from (seed, epoch) and resume mid-epoch.
+    """This rank's share of one global stream of shuffled epochs, resumable from a sample count.
 
-    Each epoch is a permutation drawn from `seed + epoch`, so resuming needs only the number of
-    samples already consumed, not a saved generator (a DataLoader reads ahead, so the sampler's own
-    position is not what training has used). Rank r of w takes every w-th index of the epoch.
+    The global stream concatenates permutations drawn from `seed + epoch`. It is cut into global
+    batches of `batch_size * world_size`; rank r reads slice r of each. So the samples a step sees
+    do not depend on how many processes share the global batch, and resuming needs only the
+    number of global samples consumed (a DataLoader reads ahead, so the sampler's own position is
+    not what training has used).
     """
 
-    def __init__(self, num_items: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, num_items: int, seed: int, batch_size: int = 1, rank: int = 0, world_size: int = 1
+    ) -> None:
         self.num_items, self.seed = num_items, seed
-        self.rank, self.world_size = rank, world_size
-        self.epoch, self.position = 0, 0
-
-    def per_rank(self) -> int:
-        return self.num_items // self.world_size if self.num_items >= self.world_size else 1
-
-    def _order(self) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.num_items, generator=generator).tolist()
-        if len(order) < self.world_size:  # fewer prompts than ranks: every rank reuses them
-            order = (order * self.world_size)[: self.world_size]
-        return order[self.rank :: self.world_size][: self.per_rank()]
-
-    def __iter__(self) -> Iterator[int]:
-        while True:
-            order = self._order()
-            while self.position < len(order):
-                index = order[self.position]
-                self.position += 1
-                yield index
-            self.epoch, self.position = self.epoch + 1, 0
-
-    def __len__(self) -> int:
-        return self.per_rank()
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.start = 0
 
     def start_at(self, consumed: int) -> None:
-        """Continue as if `consumed` samples had already been drawn on this rank."""
-        self.epoch, self.position = divmod(consumed, self.per_rank())
+        """Continue after `consumed` global samples."""
+        self.start = consumed
+
+    def _global_stream(self, start: int) -> Iterator[int]:
+        epoch, position = divmod(start, self.num_items)
+        while True:
+            order = torch.randperm(
+                self.num_items, generator=torch.Generator().manual_seed(self.seed + epoch)
+            ).tolist()
+            yield from order[position:]
+            epoch, position = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[int]:
+        global_batch = self.batch_size * self.world_size
+        for offset, index in enumerate(self._global_stream(self.start)):
+            if ((self.start + offset) % global_batch) // self.batch_size == self.rank:
+                yield index
+
+    def __len__(self) -> int:
+        return max(1, self.num_items // self.world_size)

@@ -56,10 +56,10 @@ def current_rank() -> int | None:
 
 
 def format_banner(error: DistillError, rank: int | None = None) -> str:
-    """The multi-line message printed on stderr for `error`."""
-    prefix = f"[Rank {rank}] " if rank is not None else ""
+    """The multi-line message printed on stderr for `error`; every line carries the rank under torchrun."""
     bar = "=" * 78
-    lines = [bar, f"{prefix}ERROR ({error.stage.name.lower().replace('_', ' ')}): {error.title}", bar]
+    stage = error.stage.name.lower().replace("_", " ")
+    lines = [bar, f"ERROR ({stage}): {error.title}", bar]
     if error.details:
         lines += ["", *textwrap.indent(error.details.rstrip(), "  ").splitlines()]
     if error.causes:
@@ -67,10 +67,180 @@ def format_banner(error: DistillError, rank: int | None = None) -> str:
     if error.fixes:
         lines += ["", "How to fix:"] + [f"  {i}. {f}" for i, f in enumerate(error.fixes, 1)]
     lines += ["", f"(exit code {int(error.stage)})", bar]
-    return "\n".join(f"{prefix}{line}" if prefix and line else line for line in lines)
+    text = "\n".join(lines)
+    if rank is None:
+        return text
+    return "\n".join(f"[Rank {rank}] {line}".rstrip() for line in text.splitlines())
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the run is, so an unexpected failure can say which stage and step it happened in
+# ---------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """The stage and step the run is in; updated by the trainer, read by the failure reports."""
+
+    stage: Stage = Stage.SETUP
+    step: int | None = None
+    argv: list[str] = []
+
+    @classmethod
+    def enter(cls, stage: Stage, step: int | None = None) -> None:
+        cls.stage, cls.step = stage, step
+
+    @classmethod
+    def where(cls) -> str:
+        name = cls.stage.name.lower().replace("_", " ")
+        return f"{name}, step {cls.step}" if cls.step is not None else name
+
+
+def write_torchrun_error_file(message: str) -> None:
+    """Put `message` where torchrun's ChildFailedError summary reads the root cause.
+
+    torchrun sets TORCHELASTIC_ERROR_FILE per worker; a JSON {"message", "timestamp"} there is
+    shown verbatim as the failure's root cause instead of `error_file: <N/A>`.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    try:
+        with open(path, "w") as handle:
+            json.dump({"message": message, "timestamp": int(time.time())}, handle)
+    except OSError:
+        pass  # reporting must never fail the report itself
 
 
 def report(error: DistillError) -> int:
-    """Print the banner for `error` on stderr and return the exit code to use."""
-    print(format_banner(error, current_rank()), file=sys.stderr, flush=True)
+    """Print the banner for `error` on stderr, hand it to torchrun, and return the exit code."""
+    banner = format_banner(error, current_rank())
+    print(banner, file=sys.stderr, flush=True)
+    write_torchrun_error_file(banner)
     return int(error.stage)
+
+
+# ---------------------------------------------------------------------------------------------
+# Turning unexpected exceptions into reports
+# ---------------------------------------------------------------------------------------------
+
+PEER_LOST_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ProcessGroupNCCL is aborted",
+    "DistNetworkError",
+    "recvBytes",
+    "Socket Timeout",
+)
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}"
+    return any(marker in text for marker in PEER_LOST_MARKERS)
+
+
+def memory_picture() -> str:
+    """Allocated / reserved / peak / total memory of the current CUDA device, or host RAM."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gib = 1024**3
+        device = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(device)
+        return (
+            f"GPU {device} ({torch.cuda.get_device_name(device)}): "
+            f"allocated {torch.cuda.memory_allocated(device) / gib:.2f} GiB, "
+            f"reserved {torch.cuda.memory_reserved(device) / gib:.2f} GiB, "
+            f"peak {torch.cuda.max_memory_allocated(device) / gib:.2f} GiB, "
+            f"free {free / gib:.2f} GiB of {total / gib:.2f} GiB"
+        )
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        available = os.sysconf("SC_AVPHYS_PAGES")
+        return f"host RAM: {available * size / 1024**3:.2f} GiB free of {pages * size / 1024**3:.2f} GiB"
+    except (ValueError, OSError):
+        return "host RAM: unknown"
+
+
+def _rewrite(argv: list[str], flag: str, value: str | None = None) -> list[str]:
+    """argv with `flag` set (to `value`, or as a switch), replacing an earlier setting of it."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg == flag or arg.startswith(flag + "="):
+            skip = value is not None and arg == flag and i + 1 < len(argv)
+            continue
+        out.append(arg)
+    return out + ([flag] if value is None else [flag, value])
+
+
+def out_of_memory_error(exc: BaseException) -> DistillError:
+    """The out-of-memory report: the memory picture, then fixes in the order that saves most."""
+    argv = list(Progress.argv)
+    launcher = (
+        "torchrun --nproc_per_node=N train_distillation.py"
+        if current_rank() is not None
+        else ("python train_distillation.py")
+    )
+    batch = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--batch_size"), "1")
+    smaller = max(1, int(batch) // 2) if batch.isdigit() else 1
+    accumulation = next(
+        (argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--gradient_accumulation_steps"), "1"
+    )
+    more = int(accumulation) * 2 if accumulation.isdigit() else 2
+    rewritten = _rewrite(_rewrite(argv, "--teacher_on_cpu"), "--teacher_dtype", "bfloat16")
+    rewritten = _rewrite(_rewrite(rewritten, "--gradient_checkpointing"), "--batch_size", str(smaller))
+    rewritten = _rewrite(rewritten, "--gradient_accumulation_steps", str(more))
+    return DistillError(
+        f"out of memory during {Progress.where()}",
+        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n{memory_picture()}",
+        causes=["the teacher, the student and its optimizer state and the activations do not fit together"],
+        fixes=[
+            "--teacher_on_cpu: keep the teacher's weights in CPU RAM and stream them (largest saving)",
+            "--teacher_dtype bfloat16: half the teacher's memory of float32",
+            "--gradient_checkpointing: recompute student activations in backward",
+            f"--batch_size {smaller} --gradient_accumulation_steps {more}: same global batch, less memory",
+            "a smaller student (fewer num_layers / a narrower config in --student_config)",
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to reduce fragmentation",
+            "all of the above at once:\n       " + " ".join([launcher, *rewritten]),
+        ],
+        stage=Stage.OUT_OF_MEMORY,
+    )
+
+
+def unexpected_error(exc: BaseException) -> DistillError:
+    """Any other exception: its type, message and traceback, with the stage and step it happened in."""
+    import traceback
+
+    trace = "".join(traceback.format_exception(exc)).rstrip()
+    if is_peer_lost(exc):
+        return DistillError(
+            f"lost contact with another rank during {Progress.where()} (SECONDARY failure)",
+            f"{type(exc).__name__}: {exc}",
+            causes=[
+                "another rank died first: look for its own error banner above, or for 'SIGKILL' / "
+                "'Signals.SIGKILL' in torchrun's summary (the host OOM killer does this)",
+                "a network problem between nodes",
+            ],
+            fixes=[
+                "fix the first rank's failure; this rank only stopped because of it",
+                "if a rank was SIGKILLed, check `dmesg | grep -i oom` and reduce host memory use",
+                "rerun with --resume auto to continue from the last checkpoint",
+            ],
+            stage=Stage.TRAINING,
+        )
+    return DistillError(
+        f"unexpected {type(exc).__name__} during {Progress.where()}",
+        f"{exc}\n\n{trace}",
+        fixes=[
+            "rerun with --resume auto: training continues from the last complete checkpoint",
+            "if it happens again, report it with the traceback above and your command line",
+        ],
+        stage=Stage.INTERNAL,
+    )

@@ -1,8 +1,9 @@
-"""The distillation run: prepare, train the student on the teacher's guided velocities, export.
+"""The distillation run: prepare caches, train the student on the teacher's guided velocities, export.
 
 One step: draw clean latents x0 from the cache, fresh noise and timesteps, form x_t, ask the
 teacher experts (routed by t, with guidance) for the target velocity, regress the student onto
-it with MSE. Host syncs happen only at logged steps.
+it with MSE. Under torchrun the student is wrapped in DDP; each rank handles its slice of one
+global batch, so the result does not depend on how many processes share it.
 """
 
 from __future__ import annotations
@@ -11,26 +12,31 @@ import contextlib
 import json
 import logging
 import math
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from distill import checkpoint as ckpt
+from distill import distributed as dist_utils
 from distill.config import TrainConfig, save_resolved_config
-from distill.data import DistillationDataset, ResumableSampler, read_prompts
-from distill.errors import DistillError, Stage
+from distill.data import DistillationDataset, ResumableSampler, TensorCache, read_prompts
+from distill.distributed import DistContext
+from distill.errors import DistillError, Progress, Stage
 from distill.faults import FaultInjector
 from distill.objective import add_noise, high_noise_mask, per_sample_mse, sample_sigmas, sigmas_to_timesteps
+from distill.plan import memory_plan
 from distill.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
 from distill.student import (
     build_student,
-    count_parameters,
     export_student,
     init_student_from_teacher,
     load_pretrained_student,
     load_student_config,
+    unwrap_model,
 )
 from distill.teacher import (
     GuidedTeacher,
@@ -44,13 +50,15 @@ from distill.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
 
 @dataclass
 class RunResult:
     """What a finished run produced, for the entry point to print and tests to check."""
 
     output_dir: Path
-    steps: int
+    steps: int = 0
     student_dir: Path | None = None
     ema_dir: Path | None = None
     first_loss: float | None = None
@@ -58,21 +66,9 @@ class RunResult:
     embeddings_built: int = 0
     latents_built: int = 0
     resumed_from: Path | None = None
+    stopped_by_signal: str | None = None
+    bad_steps: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DistillError(
-            f"--device {name} asked for CUDA, but torch sees no GPU",
-            f"torch {torch.__version__}, CUDA build: {torch.version.cuda}",
-            fixes=["use --device auto (or cpu)", "install a CUDA build of torch on a GPU node"],
-            stage=Stage.SETUP,
-        )
-    return device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,56 +82,18 @@ def check_resolution(cfg: TrainConfig, info: TeacherInfo) -> None:
         value = getattr(cfg, name)
         if value % multiple:
             raise DistillError(
-                f"--{name} {value} is not a multiple of {multiple} (VAE stride {info.vae_scale_spatial} x patch "
-                f"{info.patch_size[1]})",
+                f"--{name} {value} is not a multiple of {multiple} "
+                f"(VAE stride {info.vae_scale_spatial} x patch {info.patch_size[1]})",
                 fixes=[f"use --{name} {max(multiple, value // multiple * multiple)}"],
                 stage=Stage.CONFIG,
             )
-
-
-def memory_plan(
-    cfg: TrainConfig, info: TeacherInfo, student_config: dict[str, Any], world_size: int = 1
-) -> str:
-    """A readable estimate of parameters and per-device memory, for --dry_run and the start banner."""
-    teacher_params = count_parameters(info.expert_config)
-    student_params = count_parameters(student_config)
-    device = pick_device(cfg.device)
-    teacher_bytes = torch.finfo(resolve_dtype(cfg.teacher_dtype, device)).bits // 8
-    gib = 1024**3
-    teacher_gb = 2 * teacher_params * teacher_bytes / gib
-    # fp32 weights + grads + two AdamW moments, plus the EMA copy when enabled.
-    student_gb = student_params * (16 + (4 if cfg.ema_decay else 0)) / gib
-    c, f, h, w = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
-    tokens = f * (h // info.patch_size[1]) * (w // info.patch_size[2])
-    width = student_config["num_attention_heads"] * student_config["attention_head_dim"]
-    layers = student_config["num_layers"]
-    per_layer = (
-        cfg.batch_size * tokens * width * 4 * 12
-    )  # rough: ~12 saved fp32 activations of the width per token
-    act_gb = (per_layer * (1 if cfg.gradient_checkpointing else layers) + per_layer) / gib
-    on_device_teacher = 0.0 if cfg.teacher_on_cpu else teacher_gb
-    lines = [
-        f"teacher   : {info.path}",
-        f"  experts : 2 x {teacher_params / 1e9:.2f} B parameters ({teacher_gb:.1f} GiB as {cfg.teacher_dtype}), "
-        f"boundary t >= {info.boundary_ratio * 1000:.0f} -> high-noise expert",
-        f"student   : {student_params / 1e9:.3f} B parameters, {layers} layers, width {width}",
-        f"latents   : {(c, f, h, w)} per sample, {tokens} tokens",
-        f"memory per device (rough, world size {world_size}):",
-        f"  teacher weights       {on_device_teacher:8.2f} GiB"
-        + ("  (in CPU RAM, streamed)" if cfg.teacher_on_cpu else ""),
-        f"  student+grads+AdamW   {student_gb:8.2f} GiB",
-        f"  activations (batch {cfg.batch_size}) {act_gb:8.2f} GiB"
-        + ("  (gradient checkpointing)" if cfg.gradient_checkpointing else ""),
-        f"  total                 {on_device_teacher + student_gb + act_gb:8.2f} GiB",
-    ]
-    return "\n".join(lines)
 
 
 def prepare_output_dir(cfg: TrainConfig) -> Path:
     out = Path(cfg.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
+        probe = out / f".write-test-{id(cfg)}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
@@ -156,9 +114,11 @@ def prepare_output_dir(cfg: TrainConfig) -> Path:
 class Distiller:
     """Holds everything a run needs; `run()` goes from caches to exported student."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, ctx: DistContext | None = None) -> None:
         self.cfg = cfg
-        self.device = pick_device(cfg.device)
+        self.ctx = ctx if ctx is not None else dist_utils.setup("auto", cfg.device)
+        self.device = self.ctx.device
+        self.is_main = self.ctx.is_main
         self.info = inspect_teacher(cfg.teacher_path, cfg.boundary_ratio)
         # Refuse a student that cannot work with this teacher before loading anything heavy.
         self.student_config = load_student_config(cfg.student_config, self.info.expert_config)
@@ -166,35 +126,79 @@ class Distiller:
         self.prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]
         self.teacher_dtype = resolve_dtype(cfg.teacher_dtype, self.device)
         self.shift = cfg.flow_shift if cfg.flow_shift is not None else self.info.flow_shift
-        self.is_main = True
 
     def plan(self) -> str:
-        return memory_plan(self.cfg, self.info, self.student_config)
+        import os
+
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
+        return memory_plan(
+            self.cfg, self.info, self.student_config, self.device, self.ctx.world_size, local_world
+        )
 
     # -- preparation -----------------------------------------------------------------------
-    def prepare_caches(self, result: RunResult) -> tuple[Any, Any, torch.Tensor, GuidedTeacher]:
-        cfg = self.cfg
-        embeddings = embedding_cache(cfg, self.info, self.teacher_dtype)
+    def _open_shared(self, make_cache: Any) -> TensorCache:
+        """Rank 0 creates the cache folder and its settings first; the others then check them."""
+        cache = make_cache() if self.is_main else None
+        dist_utils.barrier()
+        return cache if cache is not None else make_cache()
+
+    def _require_complete(self, cache: TensorCache, prompts: list[str]) -> None:
+        missing = cache.missing(prompts)
+        if missing:
+            raise DistillError(
+                f"the {cache.what} cache {cache.folder} lacks {len(missing)} entr(y/ies) after every rank built its share",
+                f"first missing prompt: {missing[0]!r}",
+                causes=[
+                    "another rank failed while building its share",
+                    "ranks see different --cache_dir contents",
+                ],
+                fixes=["put --cache_dir on storage every rank shares", "rerun: finished entries are kept"],
+                stage=Stage.DATA,
+            )
+
+    def prepare_caches(
+        self, result: RunResult
+    ) -> tuple[TensorCache, TensorCache, torch.Tensor, GuidedTeacher]:
+        cfg, rank, world = self.cfg, self.ctx.rank, self.ctx.world_size
+        Progress.enter(Stage.DATA)
+        everything = [*self.prompts, cfg.negative_prompt]
+        embeddings = self._open_shared(lambda: embedding_cache(cfg, self.info, self.teacher_dtype))
         result.embeddings_built = fill_embedding_cache(
             embeddings,
-            [*self.prompts, cfg.negative_prompt],
+            everything[rank::world],
             self.info,
             cfg.max_sequence_length,
             self.device,
             self.teacher_dtype,
             show_progress=self.is_main,
         )
+        dist_utils.barrier()
+        self._require_complete(embeddings, everything)
         negative = embeddings.get(cfg.negative_prompt)
+
+        Progress.enter(Stage.TEACHER_LOAD)
         high = place_expert(
             load_expert(self.info, "transformer", self.teacher_dtype), self.device, cfg.teacher_on_cpu
         )
         low = place_expert(
             load_expert(self.info, "transformer_2", self.teacher_dtype), self.device, cfg.teacher_on_cpu
         )
-        latents = latent_cache(cfg, self.info, self.teacher_dtype, embeddings)
+        Progress.enter(Stage.DATA)
+        latents = self._open_shared(lambda: latent_cache(cfg, self.info, self.teacher_dtype, embeddings))
         result.latents_built = fill_latent_cache(
-            latents, self.prompts, embeddings, negative, cfg, self.info, high, low, self.device, self.is_main
+            latents,
+            self.prompts[rank::world],
+            embeddings,
+            negative,
+            cfg,
+            self.info,
+            high,
+            low,
+            self.device,
+            self.is_main,
         )
+        dist_utils.barrier()
+        self._require_complete(latents, self.prompts)
         teacher = GuidedTeacher(
             high,
             low,
@@ -235,17 +239,41 @@ class Distiller:
     def run(self) -> RunResult:
         cfg = self.cfg
         out = prepare_output_dir(cfg)
-        save_resolved_config(cfg, out / "run_config.json")
-        result = RunResult(output_dir=out, steps=0)
-        logger.info("plan:\n%s", self.plan())
+        if self.is_main:
+            save_resolved_config(cfg, out / "run_config.json")
+            logger.info("plan:\n%s", self.plan())
+        result = RunResult(output_dir=out)
         embeddings, latents, negative, teacher = self.prepare_caches(result)
         dataset = DistillationDataset(self.prompts, latents, embeddings, cfg.max_sequence_length)
         student = self.make_student(teacher)
         loop = TrainingLoop(cfg, self, student, teacher, dataset, negative, out)
         result.resumed_from = loop.maybe_resume()
         loop.train(result)
-        result.student_dir, result.ema_dir = loop.export()
+        if result.stopped_by_signal is None:
+            result.student_dir, result.ema_dir = loop.export()
         return result
+
+
+class StopRequest:
+    """Remembers a preemption signal so every rank can stop together at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        for sig in STOP_SIGNALS:
+            # Outside the main thread signals stay with whoever owns them.
+            with contextlib.suppress(ValueError):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 class TrainingLoop:
@@ -263,21 +291,26 @@ class TrainingLoop:
     ) -> None:
         from diffusers.optimization import get_scheduler
 
-        self.cfg, self.distiller = cfg, distiller
-        self.student, self.teacher = student, teacher
+        self.cfg, self.distiller, self.ctx = cfg, distiller, distiller.ctx
+        self.teacher, self.dataset = teacher, dataset
         self.device = distiller.device
         self.output_dir = output_dir
-        self.negative = negative.to(self.device, torch.float32)[None]
-        self.negative = torch.nn.functional.pad(
-            self.negative, (0, 0, 0, cfg.max_sequence_length - negative.shape[0])
-        )
-        samples_per_step = cfg.batch_size * cfg.gradient_accumulation_steps
+        self.student = student
+        self.model = student  # what the step calls: the DDP wrapper under torchrun
+        if self.ctx.enabled:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(student, device_ids=device_ids)
+        padded = torch.zeros(1, cfg.max_sequence_length, negative.shape[-1])
+        padded[0, : negative.shape[0]] = negative[: cfg.max_sequence_length]
+        self.negative = padded.to(self.device)
+        global_samples_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * self.ctx.world_size
         if cfg.num_steps is not None:
             self.total_steps = cfg.num_steps
         else:
-            self.total_steps = cfg.num_epochs * math.ceil(len(dataset) / samples_per_step)
-        self.sampler = ResumableSampler(len(dataset), cfg.seed)
-        self.dataset = dataset
+            self.total_steps = cfg.num_epochs * math.ceil(len(dataset) / global_samples_per_step)
+        self.sampler = ResumableSampler(
+            len(dataset), cfg.seed, cfg.batch_size, self.ctx.rank, self.ctx.world_size
+        )
         params = [p for p in student.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=self.device.type == "cuda"
@@ -292,13 +325,16 @@ class TrainingLoop:
             from diffusers.training_utils import EMAModel
 
             self.ema = EMAModel(params, decay=cfg.ema_decay)
-        # Our own generators: the random stream of training is then part of the checkpoint.
+        # Randomness of the GLOBAL batch, identical on every rank; each rank uses its slice. Our
+        # own generators, so the random stream of training is part of the checkpoint.
         self.timestep_generator = torch.Generator("cpu").manual_seed(cfg.seed + 1)
         self.noise_generator = torch.Generator(self.device).manual_seed(cfg.seed + 2)
         self.step = 0
-        self.consumed = 0  # samples drawn by this rank
+        self.consumed = 0  # global samples drawn
+        self.bad_steps = 0  # consecutive steps skipped for a non-finite loss or gradient
+        self.skipped_steps = 0
         self.wandb_run_id: str | None = None
-        self.faults = FaultInjector(rank=0)
+        self.faults = FaultInjector(rank=self.ctx.rank)
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -312,21 +348,35 @@ class TrainingLoop:
             "rng": ckpt.rng_state(),
         }
 
-    def save(self) -> Path:
-        meta = {
-            "consumed": self.consumed,
-            "identity": self.distiller.identity(),
-            "wandb_run_id": self.wandb_run_id,
-        }
-        path = ckpt.save_checkpoint(
-            ckpt.checkpoint_root(self.output_dir),
-            self.step,
-            self.student.state_dict(),
-            self.checkpoint_state(),
-            meta,
-            self.cfg.keep_last,
-        )
-        logger.info("saved checkpoint %s", path)
+    def save(self) -> Path | None:
+        """Rank 0 writes the checkpoint; every rank learns whether it worked and stops together if not."""
+        Progress.enter(Stage.CHECKPOINT, self.step)
+        error: DistillError | None = None
+        path = None
+        if self.ctx.is_main:
+            meta = {
+                "consumed": self.consumed,
+                "identity": self.distiller.identity(),
+                "wandb_run_id": self.wandb_run_id,
+                "world_size": self.ctx.world_size,
+                "skipped_steps": self.skipped_steps,
+            }
+            try:
+                path = ckpt.save_checkpoint(
+                    ckpt.checkpoint_root(self.output_dir),
+                    self.step,
+                    unwrap_model(self.student).state_dict(),
+                    self.checkpoint_state(),
+                    meta,
+                    self.cfg.keep_last,
+                )
+                logger.info("saved checkpoint %s", path)
+            except DistillError as exc:
+                error = exc
+        if dist_utils.any_rank(error is not None, self.device):
+            raise error or DistillError(
+                "rank 0 could not write a checkpoint; stopping with it", stage=Stage.CHECKPOINT
+            )
         return path
 
     def maybe_resume(self) -> Path | None:
@@ -353,7 +403,7 @@ class TrainingLoop:
                     ],
                     stage=Stage.CHECKPOINT,
                 )
-        self.student.load_state_dict(found.model)
+        unwrap_model(self.student).load_state_dict(found.model)
         state = found.state
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_schedule.load_state_dict(state["lr_schedule"])
@@ -361,11 +411,13 @@ class TrainingLoop:
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])
         self.timestep_generator.set_state(state["timestep_generator"])
-        self.noise_generator.set_state(state["noise_generator"])
+        self.noise_generator.set_state(state["noise_generator"].to(self.noise_generator.get_state().device))
         ckpt.restore_rng_state(state["rng"])
         self.step, self.consumed = found.step, int(found.meta["consumed"])
+        self.skipped_steps = int(found.meta.get("skipped_steps", 0))
         self.wandb_run_id = found.meta.get("wandb_run_id")
-        logger.info("resumed from %s (step %d)", found.path, self.step)
+        if self.ctx.is_main:
+            logger.info("resumed from %s (step %d)", found.path, self.step)
         return found.path
 
     # -- the step ----------------------------------------------------------------------------
@@ -375,25 +427,40 @@ class TrainingLoop:
         dtype = torch.bfloat16 if self.cfg.mixed_precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def micro_step(self, batch: dict[str, torch.Tensor], sums: torch.Tensor) -> None:
-        """Forward and backward of one micro-batch; adds [loss, high loss, high n, low loss, low n] to `sums`."""
+    def _global_randomness(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmas (CPU) and noise (device) of this rank's slice of the global micro-batch."""
+        world, rank = self.ctx.world_size, self.ctx.rank
+        batch = shape[0]
+        sigmas = sample_sigmas(batch * world, self.distiller.shift, self.timestep_generator)
+        noise = torch.randn((batch * world, *shape[1:]), generator=self.noise_generator, device=self.device)
+        rows = slice(rank * batch, (rank + 1) * batch)
+        return sigmas[rows], noise[rows]
+
+    def micro_step(
+        self, batch: dict[str, torch.Tensor], sums: torch.Tensor, sync: bool, poison: bool
+    ) -> None:
+        """Forward and backward of one micro-batch; adds [loss, high loss, high n, low loss, low n] to `sums`
+        (this step's sums: they join the logged totals only if the step is not skipped)."""
         x0 = batch["x0"].to(self.device, non_blocking=True)
         cond = batch["cond"].to(self.device, non_blocking=True)
-        sigmas = sample_sigmas(x0.shape[0], self.distiller.shift, self.timestep_generator)
+        sigmas, noise = self._global_randomness(tuple(x0.shape))
         timesteps = sigmas_to_timesteps(sigmas)
-        noise = torch.randn(x0.shape, generator=self.noise_generator, device=self.device, dtype=x0.dtype)
-        x_t = add_noise(x0, noise, sigmas)
+        x_t = add_noise(x0, noise.to(x0.dtype), sigmas)
         target = self.teacher.velocity(x_t, timesteps, cond, self.negative)
-        with self.autocast():
-            prediction = self.student(
-                hidden_states=x_t,
-                timestep=timesteps.to(self.device),
-                encoder_hidden_states=cond,
-                return_dict=False,
-            )[0]
-        losses = per_sample_mse(prediction, target)
-        loss = losses.mean() / self.cfg.gradient_accumulation_steps
-        self.scaler.scale(loss).backward()
+        no_sync = self.model.no_sync if (self.ctx.enabled and not sync) else contextlib.nullcontext
+        with no_sync():
+            with self.autocast():
+                prediction = self.model(
+                    hidden_states=x_t,
+                    timestep=timesteps.to(self.device),
+                    encoder_hidden_states=cond,
+                    return_dict=False,
+                )[0]
+            losses = per_sample_mse(prediction, target)
+            if poison:  # DISTILL_INJECT_FAULT=nan:STEP
+                losses = losses * float("nan")
+            loss = losses.mean() / self.cfg.gradient_accumulation_steps
+            self.scaler.scale(loss).backward()
         high = high_noise_mask(timesteps, self.teacher.boundary_ratio).to(self.device, torch.float32)
         detached = losses.detach()
         sums += torch.stack(
@@ -406,22 +473,35 @@ class TrainingLoop:
             ]
         )
 
-    def optimizer_step(self) -> torch.Tensor:
+    def optimizer_step(
+        self, step_loss: torch.Tensor, stop_requested: bool
+    ) -> tuple[torch.Tensor, bool, bool]:
+        """Clip and step, unless loss or gradient is non-finite. Returns (grad norm, stepped, stop on all ranks)."""
         self.scaler.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if self.cfg.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
-        else:
-            grad_norm = torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in params if p.grad is not None])
-            )
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        bad = ~torch.isfinite(step_loss)
+        if not self.scaler.is_enabled():  # with fp16 the scaler itself skips overflowing steps
+            bad = bad | ~torch.isfinite(grad_norm)
+        # The one per-step host sync: a bad step must be skipped on every rank alike, and a
+        # preemption signal on any rank must stop all of them at the same step, so both flags are
+        # reduced across ranks in one small collective before anything is updated.
+        flags = torch.stack([bad.float(), torch.tensor(float(stop_requested), device=self.device)])
+        if self.ctx.enabled:
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        non_finite, stop = (bool(v) for v in flags.tolist())
+        if non_finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.update()
+            return grad_norm, False, stop
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.step(params)
-        return grad_norm
+        return grad_norm, True, stop
 
     def train(self, result: RunResult) -> None:
         cfg = self.cfg
@@ -437,7 +517,7 @@ class TrainingLoop:
         batches = iter(loader)
         tracker = Tracker(
             self.output_dir,
-            self.distiller.is_main,
+            self.ctx.is_main,
             self.total_steps,
             self.step,
             cfg.wandb_project,
@@ -448,33 +528,92 @@ class TrainingLoop:
         )
         self.wandb_run_id = tracker.wandb_run_id
         sums = torch.zeros(5, device=self.device)
+        step_sums = torch.zeros(5, device=self.device)
+        global_micro = cfg.batch_size * self.ctx.world_size
         try:
-            while self.step < self.total_steps:
-                self.faults.before_step(self.step + 1)
-                for _ in range(cfg.gradient_accumulation_steps):
-                    self.micro_step(next(batches), sums)
-                    self.consumed += cfg.batch_size
-                grad_norm = self.optimizer_step()
-                self.step += 1
-                tracker.advance()
-                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                    metrics = self.metrics(sums, grad_norm)  # the one host sync of a logged step
-                    sums.zero_()
-                    tracker.log(self.step, metrics)
-                    result.history.append({"step": self.step, **metrics})
-                    if result.first_loss is None:
-                        result.first_loss = metrics["loss"]
-                    result.last_loss = metrics["loss"]
-                if (
-                    cfg.checkpoint_every
-                    and self.step % cfg.checkpoint_every == 0
-                    and self.step < self.total_steps
-                ):
-                    self.save()
-            self.save()
+            with StopRequest() as stop:
+                while self.step < self.total_steps:
+                    next_step = self.step + 1
+                    Progress.enter(Stage.TRAINING, next_step)
+                    self.faults.before_step(next_step)
+                    step_sums.zero_()
+                    for micro in range(cfg.gradient_accumulation_steps):
+                        last = micro == cfg.gradient_accumulation_steps - 1
+                        self.micro_step(
+                            next(batches), step_sums, sync=last, poison=self.faults.wants_nan(next_step)
+                        )
+                        self.consumed += global_micro
+                    grad_norm, stepped, stop_now = self.optimizer_step(
+                        step_sums[0], stop.signal_name is not None
+                    )
+                    self.step = next_step
+                    tracker.advance()
+                    if stepped:
+                        sums += step_sums
+                        self.bad_steps = 0
+                    else:
+                        self._count_bad_step(result)
+                    if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                        self._log(sums, grad_norm, tracker, result)
+                    if stop_now:
+                        result.stopped_by_signal = stop.signal_name or "a signal on another rank"
+                        logger.warning(
+                            "stop requested (%s): saving a checkpoint at step %d and exiting",
+                            result.stopped_by_signal,
+                            self.step,
+                        )
+                        break
+                    if (
+                        cfg.checkpoint_every
+                        and self.step % cfg.checkpoint_every == 0
+                        and self.step < self.total_steps
+                    ):
+                        self.save()
+                self.save()
         finally:
             tracker.close()
         result.steps = self.step
+
+    def _count_bad_step(self, result: RunResult) -> None:
+        self.bad_steps += 1
+        self.skipped_steps += 1
+        result.bad_steps = self.skipped_steps
+        if self.ctx.is_main:
+            logger.warning(
+                "step %d skipped: non-finite loss or gradient (%d in a row, limit --max_bad_steps %d)",
+                self.step,
+                self.bad_steps,
+                self.cfg.max_bad_steps,
+            )
+        if self.bad_steps >= self.cfg.max_bad_steps:
+            last = ckpt.complete_checkpoints(ckpt.checkpoint_root(self.output_dir))
+            raise DistillError(
+                f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (step {self.step})",
+                "Training stopped without saving, so the last good checkpoint is kept as it is: "
+                + (str(last[-1]) if last else "none was written yet"),
+                causes=[
+                    "learning rate too high",
+                    "fp16 overflow (try --mixed_precision bf16)",
+                    "corrupt cached latents",
+                ],
+                fixes=[
+                    "lower --lr or raise --lr_warmup_steps, then rerun with --resume auto",
+                    "use --mixed_precision bf16 instead of fp16",
+                    "raise --max_bad_steps if occasional bad batches are expected",
+                ],
+                stage=Stage.TRAINING,
+            )
+
+    def _log(self, sums: torch.Tensor, grad_norm: torch.Tensor, tracker: Tracker, result: RunResult) -> None:
+        dist_utils.all_reduce_sum(sums)  # every rank reaches the same logged steps
+        metrics = self.metrics(sums, grad_norm)  # the host sync of a logged step
+        sums.zero_()
+        metrics["skipped_steps"] = float(self.skipped_steps)
+        tracker.log(self.step, metrics)
+        result.history.append({"step": self.step, **metrics})
+        if result.first_loss is None:
+            result.first_loss = metrics["loss"]
+        result.last_loss = metrics["loss"]
 
     def metrics(self, sums: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
         total, high_loss, high_n, low_loss, low_n, norm = torch.cat(
@@ -492,15 +631,19 @@ class TrainingLoop:
         return metrics
 
     # -- export ------------------------------------------------------------------------------
-    def export(self) -> tuple[Path, Path | None]:
-        student_dir = export_student(self.student, self.output_dir / "student")
-        ema_dir = None
-        if self.ema is not None:
-            params = list(self.student.parameters())
-            self.ema.store(params)
-            self.ema.copy_to(params)
-            try:
-                ema_dir = export_student(self.student, self.output_dir / "student_ema")
-            finally:
-                self.ema.restore(params)
+    def export(self) -> tuple[Path | None, Path | None]:
+        """Rank 0 writes student/ (and student_ema/); the others wait for it."""
+        student_dir = ema_dir = None
+        if self.ctx.is_main:
+            student = unwrap_model(self.student)
+            student_dir = export_student(student, self.output_dir / "student")
+            if self.ema is not None:
+                params = list(student.parameters())
+                self.ema.store(params)
+                self.ema.copy_to(params)
+                try:
+                    ema_dir = export_student(student, self.output_dir / "student_ema")
+                finally:
+                    self.ema.restore(params)
+        dist_utils.barrier()
         return student_dir, ema_dir

@@ -1,0 +1,222 @@
+"""Process-group setup and teardown, rank helpers, and agreeing on things across ranks.
+
+One code path: under torchrun (`dist.is_torchelastic_launched()`) the run is data-parallel over
+all ranks; under plain `python` it is one process and every helper here is a no-op. Setup
+failures become `DistillError`s that print the environment torchrun gave this rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from distill.errors import DistillError, Stage
+
+logger = logging.getLogger(__name__)
+
+ENV_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+)
+DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "NCCL_DEBUG": "INFO", "TORCH_CPP_LOG_LEVEL": "INFO"}
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the run."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: str | None = None
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return dist.is_torchelastic_launched()
+
+
+def env_summary() -> str:
+    return "\n".join(f"{name}={os.environ.get(name, '<unset>')}" for name in ENV_VARS)
+
+
+def choose_backend(requested: str) -> str:
+    """auto = nccl with CUDA, gloo without; DDP_BACKEND overrides an `auto` request."""
+    if requested == "auto":
+        requested = os.environ.get("DDP_BACKEND", "auto").lower() or "auto"
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested not in ("nccl", "gloo"):
+        raise DistillError(
+            f"unknown distributed backend {requested!r}",
+            fixes=["use --backend auto, nccl or gloo (or unset DDP_BACKEND)"],
+            stage=Stage.SETUP,
+        )
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise DistillError(
+            "the nccl backend needs CUDA, but torch sees no GPU on this node",
+            f"torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}",
+            causes=[
+                "a CPU-only torch build",
+                "no GPU allocated to this job",
+                "CUDA_VISIBLE_DEVICES is empty",
+            ],
+            fixes=[
+                "on a CPU machine use --backend gloo (or --backend auto)",
+                "on a GPU node check `nvidia-smi` and `python -c 'import torch; print(torch.cuda.is_available())'`",
+            ],
+            stage=Stage.SETUP,
+        )
+    return requested
+
+
+def _pick_device(requested: str, local_rank: int, distributed: bool) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DistillError(
+            f"--device {requested} asked for CUDA, but torch sees no GPU",
+            f"torch {torch.__version__}, CUDA build: {torch.version.cuda}",
+            fixes=["use --device auto (or cpu)", "install a CUDA build of torch on a GPU node"],
+            stage=Stage.SETUP,
+        )
+    if not distributed:
+        return torch.device(requested if requested != "auto" else "cuda")
+    count = torch.cuda.device_count()
+    if local_rank >= count:  # checked before set_device, whose own error says only "invalid device ordinal"
+        raise DistillError(
+            f"LOCAL_RANK {local_rank} has no GPU: this node has {count} visible GPU(s)",
+            f"{env_summary()}\nCUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}",
+            causes=["--nproc_per_node is larger than the number of GPUs on the node"],
+            fixes=[f"torchrun --nproc_per_node={count} train_distillation.py ..."],
+            stage=Stage.SETUP,
+        )
+    try:
+        torch.cuda.set_device(local_rank)
+    except Exception as exc:
+        raise DistillError(
+            f"could not select GPU {local_rank}",
+            f"{type(exc).__name__}: {exc}",
+            causes=["the GPU is in exclusive-process mode and taken", "a driver problem (see nvidia-smi)"],
+            fixes=["check nvidia-smi for other processes on that GPU", "python -m distill.doctor"],
+            stage=Stage.SETUP,
+        ) from None
+    return torch.device("cuda", local_rank)
+
+
+def setup(
+    backend: str = "auto", device: str = "auto", timeout_minutes: float = 60.0, debug: bool = False
+) -> DistContext:
+    """Initialise the process group under torchrun; return a single-process context otherwise."""
+    if debug:
+        for name, value in DEBUG_ENV.items():
+            os.environ.setdefault(name, value)
+    if not launched_by_torchrun():
+        ctx = DistContext(device=_pick_device(device, 0, distributed=False))
+        _debug(debug, f"single process, device {ctx.device}")
+        return ctx
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    _debug(debug, f"torchrun environment:\n{env_summary()}\n{versions()}")
+    chosen = choose_backend(backend)
+    torch_device = _pick_device(device if chosen == "nccl" or device != "auto" else "cpu", local_rank, True)
+    if chosen == "nccl" and torch_device.type != "cuda":
+        raise DistillError(
+            "the nccl backend needs a CUDA device",
+            fixes=["drop --device cpu, or use --backend gloo"],
+            stage=Stage.SETUP,
+        )
+    _debug(debug, f"backend {chosen}, device {torch_device}; calling init_process_group")
+    try:
+        dist.init_process_group(
+            backend=chosen,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=torch_device if torch_device.type == "cuda" else None,
+        )
+    except Exception as exc:
+        raise DistillError(
+            "init_process_group failed: the ranks could not form a group",
+            f"{type(exc).__name__}: {exc}\n{env_summary()}",
+            causes=[
+                "MASTER_ADDR/MASTER_PORT unreachable from this node (firewall, wrong address)",
+                "the port is in use by another job",
+                "other nodes never started, or started with a different --nnodes / rendezvous id",
+                f"a rank took longer than --dist_timeout ({timeout_minutes:g} min) to arrive",
+            ],
+            fixes=[
+                "single node: torchrun --standalone --nproc_per_node=N train_distillation.py ...",
+                "busy port: torchrun --rdzv-endpoint=localhost:0 ... (or another --master-port)",
+                "python -m distill.doctor under the same torchrun command tests the group alone",
+            ],
+            stage=Stage.SETUP,
+        ) from None
+    _debug(debug, f"process group ready: rank {rank}/{world_size}")
+    return DistContext(rank, local_rank, world_size, chosen, torch_device)
+
+
+def versions() -> str:
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "n/a"
+    return (
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, "
+        f"visible GPUs {torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    )
+
+
+def _debug(enabled: bool, message: str) -> None:
+    if enabled:
+        rank = os.environ.get("RANK", "0")
+        print(f"[Rank {rank}] [debug_distributed] {message}", flush=True)
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks in place (identity in a single process)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when it is true on at least one: lets ranks agree before a collective."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def gather_to_main(obj: object) -> list[object] | None:
+    """Every rank's `obj` on rank 0 (None elsewhere); [obj] in a single process."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out

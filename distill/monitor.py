@@ -1,0 +1,390 @@
+"""What the trainer shows while it runs: student samples next to teacher references, the loss
+plot and the periodic student-vs-teacher report.
+
+    python train_distillation.py ... --save_samples --sample_interval 100 --eval_interval 500
+
+The trainer drives one `SampleMonitor`:
+
+    monitor = SampleMonitor(SampleSettings.from_config(cfg), info, output_dir, device, rank=r, world_size=w,
+                            barrier=dist.barrier)
+    # add monitor.prompts to the prompt-embedding cache, then once the teacher is loaded:
+    monitor.start(teacher_high, teacher_low, embeddings, negative)     # teacher references, once
+    files = monitor.after_step(step, student, ema)                      # samples + grid when due
+    report = monitor.evaluate(step, student, ema)                       # eval.json/eval.png when due
+    monitor.plot_loss(output_dir / "metrics.jsonl", output_dir / "loss.png")
+
+Every method is called on every rank. Each rank renders prompts[rank::world_size]; rank 0 builds
+the grid and the report once `barrier()` says the other ranks' files exist (the sample folder
+must be on a file system all ranks share). Only the teacher references need the teacher: they
+are computed once in `start`, so later rounds run the student alone, and the VAE is loaded for
+each decode and freed straight after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from distill.data import pad_embedding, read_prompts
+from distill.errors import DistillError, Stage
+from distill.evaluate import (
+    EvalSettings,
+    TeacherReference,
+    build_reference,
+    compare_student,
+    flat_metrics,
+    gather_and_write,
+)
+from distill.sampling import (
+    decode_with_teacher_vae,
+    initial_noise,
+    load_scheduler,
+    media_suffix,
+    rank_share,
+    sample_latents,
+    sample_stem,
+    student_pipeline,
+    write_frames,
+    write_grid,
+)
+from distill.teacher import TeacherInfo
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SAMPLE_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "sample_prompts.txt"
+
+
+def _noop() -> None:
+    return None
+
+
+class EmbeddingSource(Protocol):
+    """Anything with `get(prompt) -> (tokens, text_dim) tensor`: the trainer's TensorCache, or a dict."""
+
+    def get(self, prompt: str) -> torch.Tensor: ...
+
+
+@dataclass
+class SampleSettings:
+    """Samples and evaluation during training (the TrainConfig fields of the same names)."""
+
+    save_samples: bool = False
+    """Render student samples every --sample_interval steps, next to teacher references."""
+    sample_prompts: str | None = None
+    """Prompt file for samples (default: the held-out prompts in data/sample_prompts.txt)."""
+    sample_interval: int = 500
+    """Steps between two sampling rounds."""
+    sample_dir: str | None = None
+    """Where samples and grids go (default <output_dir>/samples)."""
+    sample_steps: int = 30
+    """Sampler steps for samples, teacher references and evaluation."""
+    sample_seed: int = 0
+    """Prompt i of a round starts from the noise of seed sample_seed + i, for teacher and student."""
+    eval_interval: int = 0
+    """Write a student-vs-teacher report (eval.json, eval.png) every N steps (0 = never)."""
+    eval_prompts: str | None = None
+    """Prompt file for the report (default: the sample prompts)."""
+    eval_num_buckets: int = 10
+    """Timestep buckets over [0, 1000] for the denoiser comparison."""
+    eval_samples_per_bucket: int = 1
+    """Noised inputs per bucket and prompt."""
+    height: int = 480
+    """Sample height: the training resolution."""
+    width: int = 832
+    """Sample width: the training resolution."""
+    num_frames: int = 1
+    """Frames per sample: the training frame count (1 = PNG, otherwise MP4)."""
+    guidance_scale: float = 4.0
+    """Teacher guidance of the high-noise expert."""
+    guidance_scale_2: float = 3.0
+    """Teacher guidance of the low-noise expert."""
+    max_sequence_length: int = 512
+    """Rows the prompt embeddings are zero-padded to, as in training."""
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> SampleSettings:
+        """Copy the fields of the same name from a TrainConfig (those it lacks keep their defaults)."""
+        values = {f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)}
+        return cls(**values)
+
+    @property
+    def enabled(self) -> bool:
+        return self.save_samples or self.eval_interval > 0
+
+    def eval_settings(self) -> EvalSettings:
+        return EvalSettings(
+            height=self.height,
+            width=self.width,
+            num_frames=self.num_frames,
+            steps=self.sample_steps,
+            seed=self.sample_seed,
+            num_buckets=self.eval_num_buckets,
+            samples_per_bucket=self.eval_samples_per_bucket,
+            guidance_scale=self.guidance_scale,
+            guidance_scale_2=self.guidance_scale_2,
+        )
+
+
+class EvalOutput(NamedTuple):
+    """What `SampleMonitor.evaluate` wrote (rank 0: eval.json, eval.png) and its headline scalars."""
+
+    files: list[Path]
+    metrics: dict[str, float]
+
+
+@dataclass
+class _PromptSet:
+    prompts: list[str]
+    conds: dict[int, torch.Tensor] = field(default_factory=dict)
+    reference: TeacherReference | None = None
+
+
+@contextlib.contextmanager
+def sampling_weights(student: torch.nn.Module, ema: Any = None) -> Iterator[torch.nn.Module]:
+    """The plain student module in eval mode, holding the EMA weights if `ema` is given; restored after.
+
+    A DDP wrapper is bypassed: sampling runs a different number of forwards per rank and must
+    not enter DDP's collectives. `ema` is a diffusers EMAModel over student.parameters().
+    """
+    model = getattr(student, "module", student)
+    was_training = model.training
+    params = list(model.parameters())
+    if ema is not None:
+        ema.store(params)
+        ema.copy_to(params)
+    model.eval()
+    try:
+        yield model
+    finally:
+        if ema is not None:
+            ema.restore(params)
+        model.train(was_training)
+
+
+def _read_prompt_file(path: str | Path, flag: str) -> list[str]:
+    if not Path(path).is_file():
+        raise DistillError(
+            f"--{flag} {path}: file not found",
+            fixes=[f"check the path, or leave --{flag} out to use {DEFAULT_SAMPLE_PROMPTS.name} (held out)"],
+            stage=Stage.CONFIG,
+        )
+    return read_prompts(path)
+
+
+class SampleMonitor:
+    """Samples, grids, loss plot and evaluation for one training run (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: SampleSettings,
+        info: TeacherInfo,
+        output_dir: str | Path,
+        device: torch.device,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        barrier: Callable[[], None] = _noop,
+    ) -> None:
+        self.settings, self.info = settings, info
+        self.output_dir = Path(output_dir)
+        self.sample_dir = Path(settings.sample_dir) if settings.sample_dir else self.output_dir / "samples"
+        self.eval_dir = self.output_dir / "eval"
+        self.device = device
+        self.rank, self.world_size, self.barrier = rank, world_size, barrier
+        self.is_main = rank == 0
+        self.samples = _PromptSet(_read_prompt_file(settings.sample_prompts or DEFAULT_SAMPLE_PROMPTS, "sample_prompts"))
+        self.evals = self.samples
+        if settings.eval_prompts:
+            self.evals = _PromptSet(_read_prompt_file(settings.eval_prompts, "eval_prompts"))
+        self.latent_shape = info.latent_shape(settings.height, settings.width, settings.num_frames)
+        self._scheduler = None
+        self.teacher_files: list[Path] = []
+
+    # -- what the trainer asks -----------------------------------------------------------------
+    @property
+    def prompts(self) -> list[str]:
+        """Every prompt the monitor needs an embedding for: add them to the embedding cache."""
+        if not self.settings.enabled:
+            return []
+        wanted = self.samples.prompts if self.settings.save_samples else []
+        if self.settings.eval_interval:
+            wanted = wanted + self.evals.prompts
+        return list(dict.fromkeys(wanted))
+
+    def samples_due(self, step: int) -> bool:
+        return self.settings.save_samples and step % self.settings.sample_interval == 0
+
+    def eval_due(self, step: int) -> bool:
+        return self.settings.eval_interval > 0 and step % self.settings.eval_interval == 0
+
+    # -- start ---------------------------------------------------------------------------------
+    def start(
+        self,
+        teacher_high: torch.nn.Module,
+        teacher_low: torch.nn.Module,
+        embeddings: EmbeddingSource | Mapping[str, torch.Tensor],
+        negative: torch.Tensor,
+    ) -> list[Path]:
+        """Render the teacher references once (same prompts, same seeds as every student round).
+
+        `embeddings.get(prompt)` gives each prompt's embedding, trimmed or padded; `negative` is
+        the negative prompt's. Returns the teacher files written (rank 0: all of them).
+        """
+        if not self.settings.enabled:
+            return []
+        negative = pad_embedding(negative, self.settings.max_sequence_length)
+        sets = [self.samples] if self.settings.save_samples else []
+        if self.settings.eval_interval and self.evals is not self.samples:
+            sets.append(self.evals)
+        elif self.settings.eval_interval and not sets:
+            sets.append(self.evals)
+        for prompt_set in sets:
+            self._fill_conds(prompt_set, embeddings)
+            with_probes = self.settings.eval_interval > 0 and prompt_set is self.evals
+            prompt_set.reference = build_reference(
+                teacher_high,
+                teacher_low,
+                self.info,
+                prompt_set.conds,
+                negative,
+                len(prompt_set.prompts),
+                self.settings.eval_settings(),
+                self.device,
+                rank=self.rank,
+                world_size=self.world_size,
+                with_probes=with_probes,
+            )
+        if not self.settings.save_samples:
+            return []
+        reference = self.samples.reference
+        mine = self._write_round(None, [z for z, (_, keep) in zip(reference.latents, reference.items) if keep])
+        self.barrier()
+        self.teacher_files = self._round_files(None)
+        return self.teacher_files if self.is_main else mine
+
+    def _fill_conds(self, prompt_set: _PromptSet, embeddings: Any) -> None:
+        mine = {index for index, _ in rank_share(len(prompt_set.prompts), self.rank, self.world_size)}
+        length = self.settings.max_sequence_length
+        prompt_set.conds = {i: pad_embedding(embeddings.get(prompt_set.prompts[i]), length) for i in mine}
+
+    # -- samples -------------------------------------------------------------------------------
+    def after_step(
+        self, step: int, student: torch.nn.Module, ema: Any = None, *, force: bool = False
+    ) -> list[Path]:
+        """Sample the student (EMA weights if `ema`) when `step` is a multiple of sample_interval.
+
+        Writes step_<step>_prompt_<i>.png/.mp4 and, on rank 0, grid_step_<step>.png; returns the
+        files written (rank 0: every rank's samples of this step and the grid), [] when not due.
+        """
+        if not (force or self.samples_due(step)) or self.samples.reference is None:
+            return []
+        with sampling_weights(student, ema) as model:
+            latents = self._sample_student(model)
+        mine = self._write_round(step, latents)
+        self.barrier()
+        if not self.is_main:
+            return mine
+        files = self._round_files(step)
+        grid = write_grid(
+            self.teacher_files,
+            files,
+            self.sample_dir / f"grid_step_{step:08d}.png",
+            prompts=self.samples.prompts,
+            title=f"teacher (top) vs student (bottom), step {step}",
+        )
+        return [*files, grid]
+
+    def _sample_student(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        if self._scheduler is None:
+            self._scheduler = load_scheduler(self.info.path)
+        pipe = student_pipeline(model, self._scheduler)
+        latents = []
+        for index, keep in self.samples.reference.items:
+            noise = initial_noise(self.latent_shape, self.settings.sample_seed + index)
+            latent = sample_latents(pipe, noise, self.samples.conds[index], None, self.settings.sample_steps, 1.0)
+            if keep:
+                latents.append(latent)
+        return latents
+
+    def _write_round(self, step: int | None, latents: Sequence[torch.Tensor]) -> list[Path]:
+        """Decode this rank's latents (VAE loaded for this only) and write them."""
+        indices = [index for index, keep in self.samples.reference.items if keep]
+        frames = decode_with_teacher_vae(latents, self.info.path, self.device)
+        return [write_frames(f, self.sample_dir / sample_stem(step, i)) for i, f in zip(indices, frames)]
+
+    def _round_files(self, step: int | None) -> list[Path]:
+        suffix = media_suffix(self.settings.num_frames)
+        return [self.sample_dir / f"{sample_stem(step, i)}{suffix}" for i in range(len(self.samples.prompts))]
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def evaluate(
+        self, step: int, student: torch.nn.Module, ema: Any = None, *, force: bool = False
+    ) -> EvalOutput | None:
+        """The student-vs-teacher report when `step` is a multiple of eval_interval (None otherwise).
+
+        Writes <output_dir>/eval/step_<step>/eval.json and eval.png on rank 0; rank 0 gets the files
+        and flat scalars (eval/denoiser_mse, eval/frame_psnr_db, ...) to log, other ranks empty ones.
+        """
+        if not (force or self.eval_due(step)) or self.evals.reference is None:
+            return None
+        with sampling_weights(student, ema) as model:
+            records = compare_student(
+                model,
+                self.evals.reference,
+                self.info,
+                self.evals.conds,
+                self.evals.prompts,
+                self.settings.eval_settings(),
+                self.device,
+            )
+        out_dir = self.eval_dir / f"step_{step:08d}"
+        result = gather_and_write(
+            records,
+            self.settings.eval_settings(),
+            self.info.boundary_ratio,
+            out_dir,
+            rank=self.rank,
+            world_size=self.world_size,
+            barrier=self.barrier,
+            extra={"step": step, "teacher": str(self.info.path), "ema": ema is not None},
+        )
+        if result is None:
+            return EvalOutput([], {})
+        return EvalOutput([out_dir / "eval.json", out_dir / "eval.png"], flat_metrics(result))
+
+    # -- loss plot -----------------------------------------------------------------------------
+    def plot_loss(self, metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
+        """loss.png from metrics.jsonl (rank 0 only; None elsewhere or before the first log)."""
+        if not self.is_main:
+            return None
+        from distill.plots import plot_loss
+
+        return plot_loss(metrics_jsonl, out_png)
+
+
+def wandb_media(files: Sequence[Path]) -> dict[str, Any]:
+    """wandb media for written files, keyed by kind: pass to `run.log(..., step=step)`.
+
+    Images and videos are logged by path (a wandb.Video from an array would need moviepy).
+    """
+    import wandb
+
+    media: dict[str, Any] = {}
+    for path in map(Path, files):
+        if path.name == "eval.json":
+            continue
+        if path.name == "eval.png":
+            key = "eval/plot"
+        elif path.name.startswith("grid_"):
+            key = "samples/grid"
+        else:
+            who, _, index = path.stem.rpartition("_prompt_")
+            key = f"{'teacher' if who == 'teacher' else 'samples'}/prompt_{index}"
+        media[key] = wandb.Video(str(path), format="mp4") if path.suffix == ".mp4" else wandb.Image(str(path))
+    return media

@@ -1,0 +1,190 @@
+"""The run's pictures: the loss curve (loss.png), the student-vs-teacher report (eval.png) and
+the teacher/student sample grid. matplotlib with the Agg backend, so no display is needed.
+
+    from distill.plots import plot_loss; plot_loss("outputs/run1/metrics.jsonl", "outputs/run1/loss.png")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)  # headless nodes have no display; never open a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, out_png: str | Path) -> Path:
+    """Save as PNG under a temporary name, then rename: readers never see a half-written file."""
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+    _pyplot().close(fig)
+    os.replace(tmp, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# loss.png
+# ---------------------------------------------------------------------------------------------
+
+
+def read_metrics(metrics_jsonl: str | Path) -> list[dict[str, float]]:
+    """Rows of metrics.jsonl; a line still being written (not yet valid JSON) is skipped."""
+    rows = []
+    path = Path(metrics_jsonl)
+    if not path.is_file():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def plot_loss(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
+    """loss.png: total loss and the loss of each expert's timestep range against the step.
+
+    Returns None (and writes nothing) when metrics.jsonl has no rows yet.
+    """
+    rows = read_metrics(metrics_jsonl)
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    series = (
+        ("loss", "total", "black"),
+        ("loss_high_noise", "high-noise range (transformer)", "tab:red"),
+        ("loss_low_noise", "low-noise range (transformer_2)", "tab:blue"),
+    )
+    for key, label, color in series:
+        points = [(r["step"], r[key]) for r in rows if key in r and r[key] > 0]
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, label=label, color=color, linewidth=1.5 if key == "loss" else 1.0)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("MSE to the guided teacher velocity")
+    ax.set_title("distillation loss")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _save(fig, out_png)
+
+
+# ---------------------------------------------------------------------------------------------
+# eval.png
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_eval(result: dict[str, Any], out_png: str | Path) -> Path:
+    """eval.png from an eval.json dict: denoiser MSE per timestep bucket, sampler PSNR per prompt, cost."""
+    plt = _pyplot()
+    fig, (ax_denoiser, ax_sampler, ax_cost) = plt.subplots(
+        1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [2, 1.4, 1]}
+    )
+    _plot_denoiser(ax_denoiser, result["denoiser"], result["boundary_timestep"])
+    _plot_sampler(ax_sampler, result["sampler"])
+    _plot_cost(ax_cost, result["cost"])
+    step = result.get("step")
+    fig.suptitle("student vs teacher" + (f" at step {step}" if step is not None else ""))
+    fig.tight_layout()
+    return _save(fig, out_png)
+
+
+def _plot_denoiser(ax: Any, denoiser: dict[str, Any], boundary: float) -> None:
+    buckets = [b for b in denoiser["buckets"] if b["count"]]
+    centres = [(b["t_min"] + b["t_max"]) / 2 for b in buckets]
+    widths = [0.8 * (b["t_max"] - b["t_min"]) for b in buckets]
+    ax.bar(centres, [b["mse"] for b in buckets], width=widths, color="tab:purple")
+    ax.axvline(boundary, color="gray", linestyle="--", linewidth=1)
+    ax.text(boundary, ax.get_ylim()[1] * 0.95, " expert switch", color="gray", va="top", fontsize=8)
+    experts = denoiser["by_expert"]
+    ax.set_title(
+        f"denoiser MSE (lower is better)\nhigh-noise {experts['high_noise']['mse']:.4g}, "
+        f"low-noise {experts['low_noise']['mse']:.4g}, all {denoiser['mse']:.4g}",
+        fontsize=10,
+    )
+    ax.set_xlabel("timestep t (1000 = pure noise)")
+    ax.set_ylabel("MSE(student v, guided teacher v)")
+    ax.set_xlim(0, 1000)
+
+
+def _plot_sampler(ax: Any, sampler: dict[str, Any]) -> None:
+    rows = sampler["per_prompt"]
+    ax.bar([str(r["index"]) for r in rows], [r["frame_psnr_db"] for r in rows], color="tab:green")
+    ax.set_title(
+        f"sampler PSNR, same noise (higher is better)\nmean {sampler['frame_psnr_db']:.2f} dB, "
+        f"latent MSE {sampler['latent_mse']:.4g}",
+        fontsize=10,
+    )
+    ax.set_xlabel("prompt index")
+    ax.set_ylabel("PSNR of decoded frames (dB)")
+
+
+def _plot_cost(ax: Any, cost: dict[str, Any]) -> None:
+    names = ("teacher", "student")
+    seconds = [cost[n]["seconds_per_sample"] for n in names]
+    bars = ax.bar(names, seconds, color=["tab:gray", "tab:orange"])
+    for bar, name in zip(bars, names):
+        ax.annotate(
+            f"{cost[name]['forwards_per_sample']:.0f} forwards",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_title(
+        f"cost per sample (speed-up: higher is better)\n{cost['speedup_seconds']:.2f}x time, "
+        f"{cost['speedup_forwards']:.1f}x forwards",
+        fontsize=10,
+    )
+    ax.set_ylabel("seconds per sample")
+
+
+# ---------------------------------------------------------------------------------------------
+# sample grid
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_sample_grid(
+    teacher: Sequence[np.ndarray],
+    student: Sequence[np.ndarray],
+    out_png: str | Path,
+    prompts: Sequence[str] = (),
+    title: str = "",
+) -> Path:
+    """Teacher images on the top row, student images below, one column per prompt."""
+    plt = _pyplot()
+    columns = max(len(teacher), len(student), 1)
+    fig, axes = plt.subplots(2, columns, figsize=(2.0 * columns, 4.6), squeeze=False)
+    for row, (label, images) in enumerate((("teacher", teacher), ("student", student))):
+        for col in range(columns):
+            ax = axes[row][col]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if col < len(images):
+                ax.imshow(images[col], interpolation="nearest")
+            if col == 0:
+                ax.set_ylabel(label, fontsize=11)
+            if row == 0 and col < len(prompts):
+                ax.set_title(_short(prompts[col]), fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return _save(fig, out_png)
+
+
+def _short(prompt: str, width: int = 26, lines: int = 3) -> str:
+    return "\n".join(textwrap.wrap(prompt, width)[:lines])

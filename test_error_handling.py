@@ -1,0 +1,296 @@
+"""Every failure scenario of TORCHRUN_ERROR_FIXES.md, run for real and checked.
+
+    python test_error_handling.py          # prints one line per scenario, ends with "N passed, M failed"
+    python -m pytest test_error_handling.py
+
+Each scenario starts real processes (plain python, or the real torchrun with 2 CPU processes on
+the gloo backend) on a tiny random Wan 2.2 teacher, injects the failure where needed
+(DISTILL_INJECT_FAULT) and asserts on stderr, on the root cause in torchrun's summary and on the
+exit code.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TIMEOUT = 180
+
+
+@functools.cache
+def workdir() -> Path:
+    """A scratch folder with a tiny teacher, built once per process."""
+    from distill.tiny import write_tiny_teacher
+
+    root = Path(tempfile.mkdtemp(prefix="distill-errors-"))
+    write_tiny_teacher(root / "teacher", seed=0)
+    return root
+
+
+def train_flags(out: str, **overrides: str) -> list[str]:
+    root = workdir()
+    flags = {
+        "--teacher_path": str(root / "teacher"),
+        "--student_config": str(REPO / "config" / "student_tiny.json"),
+        "--data_path": str(REPO / "data" / "static_prompts.txt"),
+        "--output_dir": str(root / out),
+        "--cache_dir": str(root / "cache"),
+        "--height": "16",
+        "--width": "16",
+        "--teacher_sample_steps": "2",
+        "--max_prompts": "8",
+        "--batch_size": "1",
+        "--num_steps": "6",
+        "--log_every": "1",
+        "--checkpoint_every": "2",
+    }
+    flags.update(overrides)
+    return [item for pair in flags.items() for item in pair]
+
+
+def run(
+    args: list[str], env: dict[str, str] | None = None, timeout: int = TIMEOUT
+) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("DISTILL_INJECT_FAULT", None) if "DISTILL_INJECT_FAULT" not in (env or {}) else None
+    return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(
+    script_args: list[str], env: dict[str, str] | None = None, nproc: int = 2
+) -> subprocess.CompletedProcess:
+    launcher = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "--shutdown-timeout=10"]
+    return run([*launcher, *script_args], env={"OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def root_cause(stderr: str) -> str:
+    """The 'Root Cause' section of torchrun's ChildFailedError summary."""
+    assert "Root Cause" in stderr, f"no torchrun summary in:\n{stderr[-3000:]}"
+    return stderr[stderr.index("Root Cause") :]
+
+
+def expect(condition: bool, message: str, proc: subprocess.CompletedProcess) -> None:
+    if not condition:
+        raise AssertionError(
+            f"{message}\n--- exit {proc.returncode}\n--- stderr (end):\n{proc.stderr[-4000:]}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. argv sanity checks
+# ------------------------------------------------------------------------------------------------
+
+
+def test_torchrun_given_python_before_the_script() -> None:
+    proc = torchrun(["python", "train_distillation.py", "--batch_size", "2"])
+    expect(proc.returncode != 0, "must fail", proc)
+    expect("can't open file" not in proc.stderr, "Python's bare message must not appear", proc)
+    expect(
+        "torchrun --nproc_per_node=2 train_distillation.py --batch_size 2" in proc.stderr,
+        "corrected command",
+        proc,
+    )
+    cause = root_cause(proc.stderr)
+    expect("was given 'python' as the script" in cause, "our text is torchrun's root cause", proc)
+    expect("exitcode  : 2" in cause, "ARGV exit code 2 in the summary", proc)
+    expect("[Rank 0]" in proc.stderr and "[Rank 1]" in proc.stderr, "each rank says it", proc)
+
+
+def test_unknown_flag_gets_did_you_mean() -> None:
+    proc = run([sys.executable, "train_distillation.py", "--teacher_pth", "x"])
+    expect(proc.returncode == 2, "ARGV exit code", proc)
+    expect("Did you mean --teacher_path?" in proc.stderr, "suggestion", proc)
+    expect("Traceback" not in proc.stderr, "no traceback", proc)
+
+
+def test_path_where_a_flag_was_expected() -> None:
+    proc = run([sys.executable, "train_distillation.py", "configs/run.yaml"])
+    expect(proc.returncode == 2, "ARGV exit code", proc)
+    expect(
+        "where a flag was expected" in proc.stderr and "--config configs/run.yaml" in proc.stderr,
+        "hint",
+        proc,
+    )
+
+
+def test_torchrun_flag_after_the_script() -> None:
+    proc = run([sys.executable, "train_distillation.py", "--nproc_per_node=2", *train_flags("x")])
+    expect(proc.returncode == 2, "ARGV exit code", proc)
+    expect(
+        "torchrun --nproc_per_node=2 train_distillation.py" in proc.stderr, "moved before the script", proc
+    )
+
+
+def test_distributed_flag_without_torchrun() -> None:
+    proc = run([sys.executable, "train_distillation.py", "--distributed", *train_flags("x")])
+    expect(proc.returncode == 2, "ARGV exit code", proc)
+    expect(
+        "not started by torchrun" in proc.stderr and "torchrun --standalone" in proc.stderr, "explains", proc
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. setup
+# ------------------------------------------------------------------------------------------------
+
+
+def test_nccl_without_cuda() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: nccl is valid here")
+    proc = torchrun(["train_distillation.py", "--backend", "nccl", *train_flags("nccl")])
+    cause = root_cause(proc.stderr)
+    expect("the nccl backend needs CUDA" in cause, "root cause is our setup message", proc)
+    expect("exitcode  : 4" in cause, "SETUP exit code 4", proc)
+    expect("--backend gloo" in proc.stderr, "fix offered", proc)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_init_process_group_failure_prints_environment() -> None:
+    # A rank whose master never comes up: what a wrong MASTER_ADDR/PORT looks like.
+    port = str(_free_port())
+    env = {
+        "TORCHELASTIC_RUN_ID": "fake",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
+    started = time.monotonic()
+    proc = run(
+        [sys.executable, "train_distillation.py", "--dist_timeout", "0.1", *train_flags("pg")], env=env
+    )
+    expect(proc.returncode == 4, "SETUP exit code", proc)
+    expect("init_process_group failed" in proc.stderr, "title", proc)
+    expect(f"MASTER_PORT={port}" in proc.stderr and "RANK=1" in proc.stderr, "environment printed", proc)
+    expect("--rdzv-endpoint=localhost:0" in proc.stderr, "busy-port hint", proc)
+    expect(time.monotonic() - started < 120, "bounded by --dist_timeout", proc)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. teacher load
+# ------------------------------------------------------------------------------------------------
+
+
+def test_missing_teacher_folder_lists_both_layouts() -> None:
+    proc = run(
+        [
+            sys.executable,
+            "train_distillation.py",
+            *train_flags("t", **{"--teacher_path": str(workdir() / "no-teacher-here")}),
+        ]
+    )
+    expect(proc.returncode == 5, "TEACHER_LOAD exit code", proc)
+    for name in (
+        "model_index.json",
+        "transformer_2/",
+        "models_t5_umt5-xxl-enc-bf16.pth",
+        "high_noise_model/",
+        "download_wan.py",
+    ):
+        expect(name in proc.stderr, f"mentions {name}", proc)
+
+
+def test_hub_id_without_network() -> None:
+    proc = run(
+        [
+            sys.executable,
+            "train_distillation.py",
+            *train_flags("hub", **{"--teacher_path": "Wan-AI/Not-A-Real-Teacher"}),
+        ],
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    expect(proc.returncode == 5, "TEACHER_LOAD exit code", proc)
+    expect("could not fetch the teacher Wan-AI/Not-A-Real-Teacher" in proc.stderr, "title", proc)
+    expect("download_wan.py" in proc.stderr and "Traceback" not in proc.stderr, "fix, no traceback", proc)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4-5. out of memory and anything else, under the real torchrun
+# ------------------------------------------------------------------------------------------------
+
+
+def test_out_of_memory_on_one_rank() -> None:
+    proc = torchrun(["train_distillation.py", *train_flags("oom")], env={"DISTILL_INJECT_FAULT": "oom:3@1"})
+    cause = root_cause(proc.stderr)
+    expect(
+        "[Rank 1] ERROR (out of memory): out of memory during training, step 3" in cause, "root cause", proc
+    )
+    expect("exitcode  : 7" in cause, "OUT_OF_MEMORY exit code 7", proc)
+    for fix in (
+        "--teacher_on_cpu",
+        "--teacher_dtype bfloat16",
+        "--gradient_checkpointing",
+        "expandable_segments:True",
+        "torchrun --nproc_per_node=N train_distillation.py",
+    ):
+        expect(fix in proc.stderr, f"fix {fix}", proc)
+
+
+def test_unexpected_exception_names_stage_and_step() -> None:
+    proc = torchrun(
+        ["train_distillation.py", *train_flags("exc")], env={"DISTILL_INJECT_FAULT": "exception:4@0"}
+    )
+    cause = root_cause(proc.stderr)
+    expect(
+        "[Rank 0] ERROR (internal): unexpected InjectedFault during training, step 4" in cause,
+        "root cause",
+        proc,
+    )
+    expect("Traceback" in cause and "exitcode  : 10" in cause, "traceback and exit code", proc)
+
+
+def test_killed_rank_does_not_hang_the_others() -> None:
+    started = time.monotonic()
+    proc = torchrun(
+        ["train_distillation.py", *train_flags("kill", **{"--num_steps": "50"})],
+        env={"DISTILL_INJECT_FAULT": "kill:3@1"},
+    )
+    expect(proc.returncode != 0, "must fail", proc)
+    expect(time.monotonic() - started < 90, "finishes promptly", proc)
+    expect("SIGKILL" in proc.stderr, "torchrun names the killed rank's signal", proc)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    scenarios = [(name, fn) for name, fn in globals().items() if name.startswith("test_") and callable(fn)]
+    passed = failed = 0
+    for name, fn in scenarios:
+        started = time.monotonic()
+        try:
+            fn()
+        except pytest.skip.Exception as skip:
+            print(f"SKIP  {name}: {skip}", flush=True)
+            continue
+        except Exception as exc:
+            failed += 1
+            print(f"FAIL  {name} ({time.monotonic() - started:.1f}s)\n{exc}", flush=True)
+            continue
+        passed += 1
+        print(f"PASS  {name} ({time.monotonic() - started:.1f}s)", flush=True)
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
