@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -503,18 +504,41 @@ class TrainingLoop:
             self.ema.step(params)
         return grad_norm, True, stop
 
+    def train_step(
+        self,
+        batches: Iterator[dict[str, torch.Tensor]],
+        step_sums: torch.Tensor,
+        stop_requested: bool = False,
+    ) -> tuple[torch.Tensor, bool, bool]:
+        """One optimizer step over `gradient_accumulation_steps` micro-batches; see optimizer_step."""
+        cfg = self.cfg
+        next_step = self.step + 1
+        Progress.enter(Stage.TRAINING, next_step)
+        self.faults.before_step(next_step)
+        step_sums.zero_()
+        for micro in range(cfg.gradient_accumulation_steps):
+            last = micro == cfg.gradient_accumulation_steps - 1
+            self.micro_step(next(batches), step_sums, sync=last, poison=self.faults.wants_nan(next_step))
+            self.consumed += cfg.batch_size * self.ctx.world_size
+        outcome = self.optimizer_step(step_sums[0], stop_requested)
+        self.step = next_step
+        return outcome
+
+    def make_loader(self) -> torch.utils.data.DataLoader:
+        """Batches of this rank, starting after the samples already consumed."""
+        self.sampler.start_at(self.consumed)
+        return torch.utils.data.DataLoader(
+            self.dataset,
+            batch_size=self.cfg.batch_size,
+            sampler=self.sampler,
+            num_workers=self.cfg.num_workers,
+            pin_memory=self.device.type == "cuda",
+            persistent_workers=self.cfg.num_workers > 0,
+        )
+
     def train(self, result: RunResult) -> None:
         cfg = self.cfg
-        self.sampler.start_at(self.consumed)
-        loader = torch.utils.data.DataLoader(
-            self.dataset,
-            batch_size=cfg.batch_size,
-            sampler=self.sampler,
-            num_workers=cfg.num_workers,
-            pin_memory=self.device.type == "cuda",
-            persistent_workers=cfg.num_workers > 0,
-        )
-        batches = iter(loader)
+        batches = iter(self.make_loader())
         tracker = Tracker(
             self.output_dir,
             self.ctx.is_main,
@@ -529,24 +553,12 @@ class TrainingLoop:
         self.wandb_run_id = tracker.wandb_run_id
         sums = torch.zeros(5, device=self.device)
         step_sums = torch.zeros(5, device=self.device)
-        global_micro = cfg.batch_size * self.ctx.world_size
         try:
             with StopRequest() as stop:
                 while self.step < self.total_steps:
-                    next_step = self.step + 1
-                    Progress.enter(Stage.TRAINING, next_step)
-                    self.faults.before_step(next_step)
-                    step_sums.zero_()
-                    for micro in range(cfg.gradient_accumulation_steps):
-                        last = micro == cfg.gradient_accumulation_steps - 1
-                        self.micro_step(
-                            next(batches), step_sums, sync=last, poison=self.faults.wants_nan(next_step)
-                        )
-                        self.consumed += global_micro
-                    grad_norm, stepped, stop_now = self.optimizer_step(
-                        step_sums[0], stop.signal_name is not None
+                    grad_norm, stepped, stop_now = self.train_step(
+                        batches, step_sums, stop.signal_name is not None
                     )
-                    self.step = next_step
                     tracker.advance()
                     if stepped:
                         sums += step_sums
