@@ -61,7 +61,8 @@ def train_flags(out: str, **overrides: str) -> list[str]:
 def run(
     args: list[str], env: dict[str, str] | None = None, timeout: int = TIMEOUT
 ) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("DISTILL_INJECT_FAULT", None) if "DISTILL_INJECT_FAULT" not in (env or {}) else None
     return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 

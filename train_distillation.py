@@ -28,6 +28,18 @@ from torch.distributed.elastic.multiprocessing.errors import record
 EXIT_PREEMPTED = 75
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of the record (main() may run more than once)."""
+
+    @property
+    def stream(self):  # noqa: ANN201 - logging's own attribute
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(rank: int) -> None:
     """Rank 0 logs at INFO; other ranks only warnings, so the console is not repeated N times."""
     prefix = f"[Rank {rank}] " if os.environ.get("RANK") is not None else ""
@@ -35,6 +47,7 @@ def setup_logging(rank: int) -> None:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
+        handlers=[_CurrentStderr()],
         force=True,
     )
     for name in ("diffusers", "transformers", "httpx", "urllib3", "huggingface_hub"):

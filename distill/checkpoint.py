@@ -8,6 +8,7 @@ save and is never resumed from; older checkpoints are pruned only after a newer 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -81,8 +82,10 @@ def save_checkpoint(
         os.replace(tmp, final)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         raise DistillError(
-            f"could not write the checkpoint for step {step} in {root}",
+            ("the disk is full: " if full else "")
+            + f"could not write the checkpoint for step {step} in {root}",
             f"{type(exc).__name__}: {exc}",
             causes=[
                 "the disk is full",
@@ -91,7 +94,8 @@ def save_checkpoint(
             ],
             fixes=[
                 "free space (df -h) or point --output_dir at a larger, writable disk",
-                "then rerun the same command: it resumes from the last complete checkpoint, which is intact",
+                "then rerun the same command: it resumes from the last complete checkpoint, which is intact"
+                + (f" ({complete_checkpoints(root)[-1]})" if complete_checkpoints(root) else ""),
             ],
             stage=Stage.CHECKPOINT,
         ) from None

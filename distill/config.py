@@ -124,6 +124,9 @@ class TrainConfig:
     resume: str = _opt(
         "auto", "auto (newest checkpoint in output_dir, if any), none, or a checkpoint folder."
     )
+    force_resume: bool = _opt(
+        False, "Resume even if the checkpoint was made with another student config, teacher or prompts."
+    )
     wandb_project: str | None = _opt(None, "Log to this wandb project (nothing is sent to wandb without it).")
     wandb_mode: str = _opt(
         "online",

@@ -103,13 +103,7 @@ def _pick_device(requested: str, local_rank: int, distributed: bool) -> torch.de
         return torch.device(requested if requested != "auto" else "cuda")
     count = torch.cuda.device_count()
     if local_rank >= count:  # checked before set_device, whose own error says only "invalid device ordinal"
-        raise DistillError(
-            f"LOCAL_RANK {local_rank} has no GPU: this node has {count} visible GPU(s)",
-            f"{env_summary()}\nCUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}",
-            causes=["--nproc_per_node is larger than the number of GPUs on the node"],
-            fixes=[f"torchrun --nproc_per_node={count} train_distillation.py ..."],
-            stage=Stage.SETUP,
-        )
+        raise local_rank_error(local_rank, count)
     try:
         torch.cuda.set_device(local_rank)
     except Exception as exc:
@@ -153,24 +147,41 @@ def setup(
             device_id=torch_device if torch_device.type == "cuda" else None,
         )
     except Exception as exc:
-        raise DistillError(
-            "init_process_group failed: the ranks could not form a group",
-            f"{type(exc).__name__}: {exc}\n{env_summary()}",
-            causes=[
-                "MASTER_ADDR/MASTER_PORT unreachable from this node (firewall, wrong address)",
-                "the port is in use by another job",
-                "other nodes never started, or started with a different --nnodes / rendezvous id",
-                f"a rank took longer than --dist_timeout ({timeout_minutes:g} min) to arrive",
-            ],
-            fixes=[
-                "single node: torchrun --standalone --nproc_per_node=N train_distillation.py ...",
-                "busy port: torchrun --rdzv-endpoint=localhost:0 ... (or another --master-port)",
-                "python -m distill.doctor under the same torchrun command tests the group alone",
-            ],
-            stage=Stage.SETUP,
-        ) from None
+        raise init_failure_error(exc, timeout_minutes) from None
     _debug(debug, f"process group ready: rank {rank}/{world_size}")
     return DistContext(rank, local_rank, world_size, chosen, torch_device)
+
+
+def local_rank_error(local_rank: int, count: int) -> DistillError:
+    return DistillError(
+        f"LOCAL_RANK {local_rank} has no GPU: this node has {count} visible GPU(s)",
+        f"{env_summary()}\nCUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}",
+        causes=[
+            "--nproc_per_node is larger than the number of GPUs on the node",
+            "CUDA_VISIBLE_DEVICES hides GPUs",
+        ],
+        fixes=[f"torchrun --nproc_per_node={count} train_distillation.py ..."],
+        stage=Stage.SETUP,
+    )
+
+
+def init_failure_error(exc: BaseException, timeout_minutes: float) -> DistillError:
+    return DistillError(
+        "init_process_group failed: the ranks could not form a group",
+        f"{type(exc).__name__}: {exc}\n{env_summary()}",
+        causes=[
+            "MASTER_ADDR/MASTER_PORT unreachable from this node (firewall, wrong address)",
+            "the port is in use by another job",
+            "other nodes never started, or started with a different --nnodes / rendezvous id",
+            f"a rank took longer than --dist_timeout ({timeout_minutes:g} min) to arrive",
+        ],
+        fixes=[
+            "single node: torchrun --standalone --nproc_per_node=N train_distillation.py ...",
+            "busy port: torchrun --rdzv-endpoint=localhost:0 ... (or another --master-port)",
+            "python -m distill.doctor under the same torchrun command tests the group alone",
+        ],
+        stage=Stage.SETUP,
+    )
 
 
 def versions() -> str:

@@ -2,7 +2,8 @@
 
 KIND is one of exception, oom, nan, sigterm, kill. At optimizer step STEP (counted from 1, on
 RANK only if given) the trainer raises, runs out of memory, produces a non-finite loss, gets
-SIGTERM or is SIGKILLed, exactly as a real failure would look. Unset, it does nothing.
+SIGTERM or is SIGKILLed, exactly as a real failure would look. Faults fire only in torchrun's
+first attempt, so a restarted run recovers. Unset, it does nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class FaultInjector:
 
     def __init__(self, rank: int = 0) -> None:
         self.faults = [f for f in parse_faults(os.environ.get(ENV)) if f.rank in (None, rank)]
+        # Faults fire in the first attempt only, so `torchrun --max-restarts` can be seen to recover.
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            self.faults = []
         self.rank = rank
 
     def wants_nan(self, step: int) -> bool:

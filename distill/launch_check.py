@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 
 from distill.errors import DistillError, Stage, report
 
@@ -25,17 +24,17 @@ def corrected_command(interpreter_name: str, argv: list[str]) -> str:
     return f"torchrun{nodes} --nproc_per_node={nproc} " + shlex.join(argv or ["train_distillation.py", "..."])
 
 
-def explain(interpreter_name: str, argv: list[str]) -> int:
-    """Report the mistake (banner on stderr + torchrun error file) and return the ARGV exit code."""
+def launch_error(interpreter_name: str, argv: list[str]) -> DistillError:
+    """The explanation of an interpreter name given to torchrun as if it were the script."""
     script = argv[0] if argv else "train_distillation.py"
     under_torchrun = (
         os.environ.get("TORCHELASTIC_RUN_ID") is not None or os.environ.get("LOCAL_RANK") is not None
     )
     launcher = "torchrun" if under_torchrun else "the launcher"
-    error = DistillError(
+    return DistillError(
         f"{launcher} was given '{interpreter_name}' as the script to run, so {script} never started",
         f"torchrun runs its first argument with Python itself: '{interpreter_name} {script}' made it execute "
-        f"'{sys.executable} -u {interpreter_name} {script}', i.e. a file named '{interpreter_name}'.",
+        f"'python -u {interpreter_name} {script}', i.e. a file named '{interpreter_name}' in this folder.",
         causes=[f"the word '{interpreter_name}' between torchrun's flags and the script name"],
         fixes=[
             "drop it; torchrun already runs the script with Python:\n       "
@@ -45,4 +44,8 @@ def explain(interpreter_name: str, argv: list[str]) -> int:
         ],
         stage=Stage.ARGV,
     )
-    return report(error)
+
+
+def explain(interpreter_name: str, argv: list[str]) -> int:
+    """Report the mistake (banner on stderr + torchrun error file) and return the ARGV exit code."""
+    return report(launch_error(interpreter_name, argv))

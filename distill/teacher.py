@@ -103,6 +103,23 @@ def _read_json(path: Path) -> dict[str, Any]:
         ) from None
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be whole (truncated, garbage header), read from its header only."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            if header_length <= 0 or 8 + header_length > size:
+                return f"header length {header_length} does not fit in a file of {size} bytes (truncated?)"
+            header = json.loads(handle.read(header_length))
+    except (OSError, ValueError) as exc:
+        return f"unreadable header ({type(exc).__name__}: {exc})"
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if 8 + header_length + end > size:
+        return f"the file is {size} bytes but its tensors need {8 + header_length + end}: it was cut short"
+    return None
+
+
 @dataclass(frozen=True)
 class TeacherInfo:
     """What the rest of the trainer needs to know about the teacher, read from its JSON files."""
@@ -190,6 +207,21 @@ def inspect_teacher(path_or_id: str, boundary_ratio: float | None = None) -> Tea
                 fixes=["re-download the teacher; the folders come from different models"],
                 stage=Stage.TEACHER_LOAD,
             )
+    for component in ("text_encoder", "vae", "transformer", "transformer_2"):
+        for weights in sorted((path / component).glob("*.safetensors")):
+            problem = safetensors_problem(weights)
+            if problem:
+                raise DistillError(
+                    f"the teacher's {component} weights are damaged: {weights}",
+                    problem,
+                    causes=["an interrupted download or copy", "a full disk while writing"],
+                    fixes=[
+                        f"re-download {component}/: python download_wan.py --local_dir {path}  (resumes, "
+                        "fetching only what is missing or wrong)",
+                        f"python download_wan.py --verify {path}",
+                    ],
+                    stage=Stage.TEACHER_LOAD,
+                )
     scheduler = _read_json(path / "scheduler" / "scheduler_config.json")
     vae = _read_json(path / "vae" / "config.json")
     temporal = vae.get("scale_factor_temporal") or 2 ** sum(

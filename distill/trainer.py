@@ -9,6 +9,7 @@ global batch, so the result does not depend on how many processes share it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -232,13 +233,63 @@ class Distiller:
         identity = {
             "student_config": self.student_config,
             "teacher": self.info.fingerprint("transformer", "transformer_2"),
-            "num_prompts": len(self.prompts),
+            "prompts": hashlib.sha256("\n".join(self.prompts).encode()).hexdigest()[:16],
         }
         return json.loads(json.dumps(identity))  # as it reads back from meta.json (tuples become lists)
+
+    def check_checkpoint(self, path: Path, meta: dict[str, Any]) -> None:
+        """Refuse to resume a checkpoint made for another student, teacher or prompt set (unless forced)."""
+        expected = self.identity()
+        for key, value in expected.items():
+            saved = meta.get("identity", {}).get(key)
+            if saved == value:
+                continue
+            if isinstance(value, dict) and isinstance(saved, dict):
+                keys = sorted(k for k in set(saved) | set(value) if saved.get(k) != value.get(k))
+                saved, value = {k: saved.get(k) for k in keys}, {k: value.get(k) for k in keys}
+            what = key.replace("_", " ")
+            if self.cfg.force_resume:
+                logger.warning(
+                    "resuming %s although it was made with a different %s (--force_resume)", path, what
+                )
+                continue
+            raise DistillError(
+                f"checkpoint {path} was made with a different {what}",
+                f"checkpoint: {saved}\nthis run:   {value}",
+                fixes=[
+                    "resume with the settings the checkpoint was made with",
+                    "or start fresh in another --output_dir",
+                    "or pass --force_resume if the change is intended (the weights are loaded as they are)",
+                ],
+                stage=Stage.CHECKPOINT,
+            )
+
+    def check_output_dir(self) -> None:
+        """Before any heavy work: never overwrite another run's checkpoints, never resume a foreign one."""
+        complete = ckpt.complete_checkpoints(ckpt.checkpoint_root(self.cfg.output_dir))
+        if self.cfg.resume == "none":
+            if complete:
+                raise DistillError(
+                    f"--output_dir {self.cfg.output_dir} already holds checkpoints (newest: {complete[-1].name})",
+                    "--resume none would start over and then overwrite and prune them.",
+                    fixes=[
+                        "continue that run: --resume auto",
+                        "or start this one in another --output_dir",
+                        f"or delete {ckpt.checkpoint_root(self.cfg.output_dir)} if it is no longer needed",
+                    ],
+                    stage=Stage.CHECKPOINT,
+                )
+            return
+        candidate = (
+            Path(self.cfg.resume) if self.cfg.resume != "auto" else (complete[-1] if complete else None)
+        )
+        if candidate is not None and (candidate / "meta.json").is_file():
+            self.check_checkpoint(candidate, json.loads((candidate / "meta.json").read_text()))
 
     # -- training --------------------------------------------------------------------------
     def run(self) -> RunResult:
         cfg = self.cfg
+        self.check_output_dir()
         out = prepare_output_dir(cfg)
         if self.is_main:
             save_resolved_config(cfg, out / "run_config.json")
@@ -388,22 +439,7 @@ class TrainingLoop:
         found = ckpt.load_latest(root) if cfg.resume == "auto" else ckpt.load_checkpoint(Path(cfg.resume))
         if found is None:
             return None
-        expected = self.distiller.identity()
-        for key, value in expected.items():
-            saved = found.meta["identity"].get(key)
-            if saved != value:
-                if isinstance(value, dict) and isinstance(saved, dict):
-                    keys = sorted(k for k in set(saved) | set(value) if saved.get(k) != value.get(k))
-                    saved, value = {k: saved.get(k) for k in keys}, {k: value.get(k) for k in keys}
-                raise DistillError(
-                    f"checkpoint {found.path} was made with a different {key.replace('_', ' ')}",
-                    f"checkpoint: {saved}\nthis run:   {value}",
-                    fixes=[
-                        "resume with the settings the checkpoint was made with",
-                        "or start fresh: another --output_dir, or --resume none",
-                    ],
-                    stage=Stage.CHECKPOINT,
-                )
+        self.distiller.check_checkpoint(found.path, found.meta)
         unwrap_model(self.student).load_state_dict(found.model)
         state = found.state
         self.optimizer.load_state_dict(state["optimizer"])
@@ -443,7 +479,8 @@ class TrainingLoop:
         """Forward and backward of one micro-batch; adds [loss, high loss, high n, low loss, low n] to `sums`
         (this step's sums: they join the logged totals only if the step is not skipped)."""
         x0 = batch["x0"].to(self.device, non_blocking=True)
-        cond = batch["cond"].to(self.device, non_blocking=True)
+        # The cache keeps embeddings in the teacher's dtype; the student computes in float32 (or autocast).
+        cond = batch["cond"].to(self.device, torch.float32, non_blocking=True)
         sigmas, noise = self._global_randomness(tuple(x0.shape))
         timesteps = sigmas_to_timesteps(sigmas)
         x_t = add_noise(x0, noise.to(x0.dtype), sigmas)
@@ -508,9 +545,12 @@ class TrainingLoop:
         self,
         batches: Iterator[dict[str, torch.Tensor]],
         step_sums: torch.Tensor,
-        stop_requested: bool = False,
+        stop: StopRequest | None = None,
     ) -> tuple[torch.Tensor, bool, bool]:
-        """One optimizer step over `gradient_accumulation_steps` micro-batches; see optimizer_step."""
+        """One optimizer step over `gradient_accumulation_steps` micro-batches; see optimizer_step.
+
+        `stop` is read just before the update, so a signal that arrives during the step stops at it.
+        """
         cfg = self.cfg
         next_step = self.step + 1
         Progress.enter(Stage.TRAINING, next_step)
@@ -520,7 +560,7 @@ class TrainingLoop:
             last = micro == cfg.gradient_accumulation_steps - 1
             self.micro_step(next(batches), step_sums, sync=last, poison=self.faults.wants_nan(next_step))
             self.consumed += cfg.batch_size * self.ctx.world_size
-        outcome = self.optimizer_step(step_sums[0], stop_requested)
+        outcome = self.optimizer_step(step_sums[0], stop is not None and stop.signal_name is not None)
         self.step = next_step
         return outcome
 
@@ -556,9 +596,7 @@ class TrainingLoop:
         try:
             with StopRequest() as stop:
                 while self.step < self.total_steps:
-                    grad_norm, stepped, stop_now = self.train_step(
-                        batches, step_sums, stop.signal_name is not None
-                    )
+                    grad_norm, stepped, stop_now = self.train_step(batches, step_sums, stop)
                     tracker.advance()
                     if stepped:
                         sums += step_sums
@@ -575,11 +613,9 @@ class TrainingLoop:
                             self.step,
                         )
                         break
-                    if (
-                        cfg.checkpoint_every
-                        and self.step % cfg.checkpoint_every == 0
-                        and self.step < self.total_steps
-                    ):
+                    due = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+                    # Not in the middle of a run of skipped steps: pruning would then drop good checkpoints.
+                    if due and self.step < self.total_steps and self.bad_steps == 0:
                         self.save()
                 self.save()
         finally:

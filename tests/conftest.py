@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,11 @@ def tiny_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def repo_pythonpath() -> str:
+    """PYTHONPATH for subprocesses: the repository first, then whatever the caller already had."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 def train_args(teacher: Path, output_dir: Path, cache_dir: Path, **overrides: object) -> list[str]:

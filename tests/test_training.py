@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, train_args
+from conftest import REPO, repo_pythonpath, train_args
 from diffusers import WanPipeline, WanTransformer3DModel
 from safetensors.torch import load_file
 
@@ -206,7 +206,7 @@ def test_mismatched_teacher_is_a_clear_error(tmp_path, capsys):
 def test_bad_student_config_exits_non_zero_with_message(tiny_teacher, tmp_path):
     bad = tmp_path / "student.json"
     bad.write_text(json.dumps({"hidden_size": 256, "depth": 4, "num_heads": 4, "num_channels": 4}))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     proc = subprocess.run(
         [
             sys.executable,

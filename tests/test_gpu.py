@@ -1,0 +1,122 @@
+"""CUDA paths, run only where a GPU exists (marker `gpu`; skipped on CPU machines and in CI).
+
+python -m pytest -m gpu
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, repo_pythonpath, train_args
+
+from distill.config import parse_config
+from distill.teacher import GuidedTeacher, inspect_teacher, load_expert, place_expert
+from distill.trainer import Distiller
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_teacher_on_cpu_streams_blocks_to_the_gpu_and_matches_the_resident_teacher(tiny_teacher):
+    info = inspect_teacher(str(tiny_teacher))
+    cuda = torch.device("cuda")
+    resident = [
+        place_expert(load_expert(info, name, torch.bfloat16), cuda, on_cpu=False)
+        for name in ("transformer", "transformer_2")
+    ]
+    streamed = [
+        place_expert(load_expert(info, name, torch.bfloat16), cuda, on_cpu=True)
+        for name in ("transformer", "transformer_2")
+    ]
+    # the streamed experts' weights stay in CPU memory between forwards
+    assert all(p.device.type == "cpu" for p in streamed[0].blocks.parameters())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 1, 8, 8, generator=gen).to(cuda)
+    cond = torch.randn(4, 12, info.text_dim, generator=gen).to(cuda)
+    uncond = torch.randn(1, 12, info.text_dim, generator=gen).to(cuda)
+    t = torch.tensor([990.0, 10.0, 900.0, 300.0])
+    outs = [
+        GuidedTeacher(*experts, info.boundary_ratio, 4.0, 3.0, cuda, torch.bfloat16).velocity(
+            x, t, cond, uncond
+        )
+        for experts in (resident, streamed)
+    ]
+    assert outs[1].device.type == "cuda"
+    assert torch.allclose(outs[0], outs[1], atol=1e-2, rtol=1e-2)
+
+
+def test_training_on_cuda_in_bf16_with_checkpointing_and_resume(tiny_teacher, tmp_path):
+    def args(steps):
+        return train_args(
+            tiny_teacher,
+            tmp_path / "out",
+            tmp_path / "cache",
+            device="cuda",
+            teacher_dtype="bfloat16",
+            mixed_precision="bf16",
+            gradient_checkpointing=True,
+            num_steps=steps,
+            checkpoint_every=3,
+            teacher_on_cpu=True,
+        )
+
+    result = Distiller(parse_config(args(6))).run()
+    assert result.steps == 6 and torch.isfinite(torch.tensor(result.last_loss))
+    resumed = Distiller(parse_config(args(8))).run()
+    assert resumed.resumed_from.name == "step_00000006" and resumed.steps == 8
+
+
+def test_local_rank_beyond_the_visible_gpus_is_explained(tiny_teacher, tmp_path):
+    count = torch.cuda.device_count()
+    env = {
+        **os.environ,
+        "PYTHONPATH": repo_pythonpath(),
+        "TORCHELASTIC_RUN_ID": "x",
+        "RANK": str(count),
+        "WORLD_SIZE": str(count + 1),
+        "LOCAL_RANK": str(count),
+        "LOCAL_WORLD_SIZE": str(count + 1),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29999",
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train_distillation.py"),
+            *train_args(tiny_teacher, tmp_path / "o", tmp_path / "c"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 4
+    assert f"LOCAL_RANK {count} has no GPU" in proc.stderr and f"--nproc_per_node={count}" in proc.stderr
+
+
+def test_torchrun_on_nccl(tiny_teacher, tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            str(REPO / "train_distillation.py"),
+            "--backend",
+            "nccl",
+            *train_args(tiny_teacher, tmp_path / "o", tmp_path / "c"),
+        ],
+        env={**os.environ, "PYTHONPATH": repo_pythonpath()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "o" / "student").is_dir()
