@@ -186,6 +186,48 @@ def test_init_process_group_failure_prints_environment() -> None:
     expect(time.monotonic() - started < 120, "bounded by --dist_timeout", proc)
 
 
+def test_debug_distributed_logs_every_setup_step_and_loads_in_waves() -> None:
+    proc = torchrun(
+        [
+            "train_distillation.py",
+            "--debug_distributed",
+            "--teacher_load_concurrency",
+            "1",
+            *train_flags("debug", **{"--num_steps": "1"}),
+        ]
+    )
+    expect(proc.returncode == 0, "the run succeeds", proc)
+    out = proc.stdout + proc.stderr
+    for rank in (0, 1):
+        for needle in (
+            f"RANK={rank}",
+            "torch ",
+            "backend gloo, device cpu; calling init_process_group",
+            f"process group ready: rank {rank}/2",
+        ):
+            expect(f"[Rank {rank}] [debug_distributed] {needle}" in out, f"rank {rank} logs {needle!r}", proc)
+    expect(
+        "[Rank 0] [debug_distributed] LOCAL_RANK=0" in out
+        and "[Rank 1] [debug_distributed] LOCAL_RANK=1" in out,
+        "environment per rank",
+        proc,
+    )
+    expect("wave 1 of 2" in out and "wave 2 of 2" in out, "staggered teacher loading", proc)
+
+
+def test_doctor_passes_under_torchrun_and_names_a_bad_teacher() -> None:
+    good = torchrun(["-m", "distill.doctor", "--teacher_path", str(workdir() / "teacher")])
+    expect(good.returncode == 0, "doctor passes", good)
+    expect("[Rank 0] PASS" in good.stdout and "[Rank 1] PASS" in good.stdout, "each rank says PASS", good)
+    expect("all_reduce over 2 rank(s) on gloo" in good.stdout, "collective checked", good)
+    bad = run([sys.executable, "-m", "distill.doctor", "--teacher_path", str(workdir() / "missing")])
+    expect(
+        bad.returncode == 1 and "FAIL teacher" in bad.stdout and "FAILED: teacher" in bad.stdout,
+        "names it",
+        bad,
+    )
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. teacher load
 # ------------------------------------------------------------------------------------------------

@@ -113,6 +113,9 @@ class TrainConfig:
         False,
         "Log every setup step per rank and turn on NCCL/torch.distributed debug output (or DISTILL_DEBUG=1).",
     )
+    teacher_load_concurrency: int = _opt(
+        0, "Ranks per node that load the teacher at the same time (0 = as many as free host RAM allows)."
+    )
     max_bad_steps: int = _opt(
         10, "Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)."
     )
@@ -170,7 +173,7 @@ class TrainConfig:
                 )
         if self.dist_timeout <= 0:
             raise _config_error("dist_timeout", "must be positive (minutes)", "try --dist_timeout 60")
-        for name in ("checkpoint_every", "lr_warmup_steps", "num_workers"):
+        for name in ("checkpoint_every", "lr_warmup_steps", "num_workers", "teacher_load_concurrency"):
             if getattr(self, name) < 0:
                 raise _config_error(name, "must be 0 or more", f"set --{name} 0")
         if self.num_frames % 4 != 1:

@@ -195,7 +195,8 @@ def versions() -> str:
 def _debug(enabled: bool, message: str) -> None:
     if enabled:
         rank = os.environ.get("RANK", "0")
-        print(f"[Rank {rank}] [debug_distributed] {message}", flush=True)
+        for line in message.splitlines():
+            print(f"[Rank {rank}] [debug_distributed] {line}", flush=True)
 
 
 def teardown() -> None:

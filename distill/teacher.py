@@ -152,6 +152,16 @@ class TeacherInfo:
             width // self.vae_scale_spatial,
         )
 
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        """Host memory one rank needs to load both experts in `dtype` (from the files' sizes)."""
+        on_disk = sum(
+            f.stat().st_size
+            for c in ("transformer", "transformer_2")
+            for f in (self.path / c).glob("*.safetensors")
+        )
+        stored_dtype_bytes = 2 if self.expert_config.get("_stored_in_16_bit", True) else 4
+        return on_disk * (torch.finfo(dtype).bits // 8) // stored_dtype_bytes
+
     def fingerprint(self, *components: str) -> str:
         """A content key for `components`: configs, file names and sizes, and the first and last MiB
         of every weight file. Cheap on 60 GB of weights, yet two differently initialised teachers

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -49,6 +50,15 @@ from distill.teacher import (
     resolve_dtype,
 )
 from distill.tracking import Tracker
+
+
+def available_host_memory() -> int:
+    """Free host RAM in bytes (what a new allocation can use without swapping)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62  # unknown: do not stagger
+
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +140,6 @@ class Distiller:
         self.shift = cfg.flow_shift if cfg.flow_shift is not None else self.info.flow_shift
 
     def plan(self) -> str:
-        import os
-
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
         return memory_plan(
             self.cfg, self.info, self.student_config, self.device, self.ctx.world_size, local_world
@@ -179,12 +187,7 @@ class Distiller:
         negative = embeddings.get(cfg.negative_prompt)
 
         Progress.enter(Stage.TEACHER_LOAD)
-        high = place_expert(
-            load_expert(self.info, "transformer", self.teacher_dtype), self.device, cfg.teacher_on_cpu
-        )
-        low = place_expert(
-            load_expert(self.info, "transformer_2", self.teacher_dtype), self.device, cfg.teacher_on_cpu
-        )
+        high, low = self.load_teacher_experts()
         Progress.enter(Stage.DATA)
         latents = self._open_shared(lambda: latent_cache(cfg, self.info, self.teacher_dtype, embeddings))
         result.latents_built = fill_latent_cache(
@@ -211,6 +214,42 @@ class Distiller:
             self.teacher_dtype,
         )
         return embeddings, latents, negative, teacher
+
+    def teacher_load_waves(self) -> int:
+        """How many groups of this node's ranks load the experts one after the other.
+
+        Each rank reads an expert into host RAM before moving it to its GPU. Eight ranks doing that
+        at once with 28 GB experts is how nodes get SIGKILLed by the OOM killer without a word, so
+        ranks load in waves sized to the free host memory (--teacher_load_concurrency overrides).
+        """
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self.cfg.teacher_load_concurrency:
+            per_wave = self.cfg.teacher_load_concurrency
+        else:
+            bytes_per_rank = self.info.expert_bytes(self.teacher_dtype)
+            per_wave = max(1, int(0.8 * available_host_memory() // max(bytes_per_rank, 1)))
+        return math.ceil(local_world / min(per_wave, local_world))
+
+    def load_teacher_experts(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        cfg, device = self.cfg, self.device
+        local_rank, waves = self.ctx.local_rank, self.teacher_load_waves()
+        per_wave = math.ceil(int(os.environ.get("LOCAL_WORLD_SIZE", "1")) / waves)
+        experts: tuple[torch.nn.Module, torch.nn.Module] | None = None
+        for wave in range(waves):  # every rank passes every barrier, loading in its own wave
+            if local_rank // per_wave == wave:
+                if waves > 1:
+                    logger.warning("loading the teacher experts (wave %d of %d)", wave + 1, waves)
+                high = place_expert(
+                    load_expert(self.info, "transformer", self.teacher_dtype), device, cfg.teacher_on_cpu
+                )
+                low = place_expert(
+                    load_expert(self.info, "transformer_2", self.teacher_dtype), device, cfg.teacher_on_cpu
+                )
+                experts = (high, low)
+            if waves > 1:
+                dist_utils.barrier()
+        assert experts is not None
+        return experts
 
     def make_student(self, teacher: GuidedTeacher) -> torch.nn.Module:
         cfg = self.cfg
@@ -483,14 +522,18 @@ class TrainingLoop:
         cond = batch["cond"].to(self.device, torch.float32, non_blocking=True)
         sigmas, noise = self._global_randomness(tuple(x0.shape))
         timesteps = sigmas_to_timesteps(sigmas)
-        x_t = add_noise(x0, noise.to(x0.dtype), sigmas)
+        # Non-blocking copies of the small CPU tensors: a blocking one waits for every queued kernel
+        # (the previous step's optimizer, then the teacher), leaving the GPU idle while the host
+        # catches up with its kernel launches.
+        timesteps_device = timesteps.to(self.device, non_blocking=True)
+        x_t = add_noise(x0, noise.to(x0.dtype), sigmas.to(self.device, non_blocking=True))
         target = self.teacher.velocity(x_t, timesteps, cond, self.negative)
         no_sync = self.model.no_sync if (self.ctx.enabled and not sync) else contextlib.nullcontext
         with no_sync():
             with self.autocast():
                 prediction = self.model(
                     hidden_states=x_t,
-                    timestep=timesteps.to(self.device),
+                    timestep=timesteps_device,
                     encoder_hidden_states=cond,
                     return_dict=False,
                 )[0]
@@ -499,7 +542,7 @@ class TrainingLoop:
                 losses = losses * float("nan")
             loss = losses.mean() / self.cfg.gradient_accumulation_steps
             self.scaler.scale(loss).backward()
-        high = high_noise_mask(timesteps, self.teacher.boundary_ratio).to(self.device, torch.float32)
+        high = high_noise_mask(timesteps_device, self.teacher.boundary_ratio).float()
         detached = losses.detach()
         sums += torch.stack(
             [
@@ -525,7 +568,7 @@ class TrainingLoop:
         # The one per-step host sync: a bad step must be skipped on every rank alike, and a
         # preemption signal on any rank must stop all of them at the same step, so both flags are
         # reduced across ranks in one small collective before anything is updated.
-        flags = torch.stack([bad.float(), torch.tensor(float(stop_requested), device=self.device)])
+        flags = torch.stack([bad.float(), torch.full((), float(stop_requested), device=self.device)])
         if self.ctx.enabled:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         non_finite, stop = (bool(v) for v in flags.tolist())
