@@ -48,6 +48,17 @@ class TrainConfig:
     teacher_on_cpu: bool = _opt(
         False, "Keep teacher weights in CPU RAM and stream them to the GPU group by group (CUDA only)."
     )
+    teacher_placement: str = _opt(
+        "auto",
+        "Where the frozen teacher lives: gpu (a full copy per device), cpu (CPU RAM, streamed to the GPU), "
+        "shard (FSDP2: each rank holds 1/N and gathers one block at a time), auto (chosen from measured memory).",
+        ("auto", "gpu", "cpu", "shard"),
+    )
+    teacher_device_strategy: str | None = _opt(
+        None,
+        "The origin project's name for --teacher_placement: cpu, balanced (= shard), auto.",
+        ("cpu", "balanced", "gpu0", "auto"),
+    )
     boundary_ratio: float | None = _opt(
         None,
         "Expert switch: t >= ratio*1000 uses the high-noise expert (default: the teacher's model_index.json).",
@@ -137,14 +148,18 @@ class TrainConfig:
         ("online", "offline", "disabled"),
     )
     wandb_run_name: str | None = _opt(None, "Name of the wandb run.")
+    plan_world_size: int | None = _opt(
+        None, "World size the memory plan is printed for (default: the one launched); try it with --dry_run."
+    )
     dry_run: bool = _opt(False, "Validate everything, print the plan and memory estimate, then exit 0.")
 
     # ------------------------------------------------------------------------------------------
     def validate(self) -> None:
         """Check every setting that can be checked without loading a model."""
+        self._resolve_placement_aliases()
         for f in dataclasses.fields(self):
             choices = f.metadata["choices"]
-            if choices and getattr(self, f.name) not in choices:
+            if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 raise _config_error(
                     f.name,
                     f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}",
@@ -165,7 +180,7 @@ class TrainConfig:
             "keep_last",
             "max_bad_steps",
         ]
-        for name in positive + ["num_steps", "num_epochs", "max_prompts"]:
+        for name in positive + ["num_steps", "num_epochs", "max_prompts", "plan_world_size"]:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise _config_error(
@@ -213,6 +228,36 @@ class TrainConfig:
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise _config_error("device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
+
+    def _resolve_placement_aliases(self) -> None:
+        """Fold --teacher_on_cpu and the origin --teacher_device_strategy into --teacher_placement."""
+        if self.teacher_device_strategy is not None:
+            if self.teacher_device_strategy == "gpu0":
+                raise _config_error(
+                    "teacher_device_strategy",
+                    "gpu0 (the whole teacher on GPU 0, serving every rank) has no equivalent here: every rank "
+                    "needs the teacher's outputs for its own samples",
+                    "use --teacher_placement shard (each GPU holds 1/N of the teacher) or --teacher_placement gpu",
+                )
+            alias = {"cpu": "cpu", "balanced": "shard", "auto": "auto"}[self.teacher_device_strategy]
+            if self.teacher_placement not in ("auto", alias):
+                raise _config_error(
+                    "teacher_device_strategy",
+                    f"{self.teacher_device_strategy} means --teacher_placement {alias}, but "
+                    f"--teacher_placement {self.teacher_placement} was also given",
+                    "give only --teacher_placement",
+                )
+            self.teacher_placement = alias
+        if self.teacher_on_cpu:
+            if self.teacher_placement not in ("auto", "cpu"):
+                raise _config_error(
+                    "teacher_on_cpu",
+                    f"conflicts with --teacher_placement {self.teacher_placement}",
+                    "give only one of them (--teacher_on_cpu is --teacher_placement cpu)",
+                )
+            self.teacher_placement = "cpu"
+        elif self.teacher_placement == "cpu":
+            self.teacher_on_cpu = True
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -216,6 +216,20 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(value: int) -> int:
+    """The largest `value` over all ranks (itself in a single process)."""
+    if not dist.is_initialized():
+        return value
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    tensor = torch.tensor([value], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank when it is true on at least one: lets ranks agree before a collective."""
     if not dist.is_initialized():
@@ -232,3 +246,24 @@ def gather_to_main(obj: object) -> list[object] | None:
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
+
+
+def ranks_agree(model: torch.nn.Module, device: torch.device) -> tuple[bool, str]:
+    """Whether every rank holds bit-identical parameters (the DDP invariant), with a short checksum.
+
+    The fingerprint is a float64 sum and sum of squares per tensor: cheap on a 1.3B model, and
+    any divergence between ranks changes it.
+    """
+    with torch.no_grad():
+        stats = torch.stack(
+            [
+                torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
+                for p in model.parameters()
+            ]
+        ).to(device)
+    digest = f"{stats.sum().item():.10e}"
+    if not dist.is_initialized():
+        return True, digest
+    gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, stats)
+    return all(torch.equal(g, gathered[0]) for g in gathered), digest

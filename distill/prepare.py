@@ -117,14 +117,24 @@ def fill_latent_cache(
     low: torch.nn.Module,
     device: torch.device,
     show_progress: bool = True,
+    lockstep_placeholder: str | None = None,
 ) -> int:
     """Sample a clean latent x0 for each prompt the cache lacks, with the teacher's own sampler.
 
     Runs diffusers' WanPipeline with both experts, their guidance scales and the teacher's
     scheduler, and keeps the final latent (before the VAE), one prompt at a time with a seed
     derived from the prompt, so the cache does not depend on batch composition or rank.
+
+    With a sharded teacher every rank must run the same number of sampler calls (each forward
+    gathers weights from all ranks): pass `lockstep_placeholder`, a prompt that ranks with fewer
+    missing entries sample (and discard) until every rank has done as many calls as the busiest.
     """
-    todo = cache.missing(prompts)
+    todo: list[str | None] = list(cache.missing(prompts))
+    if lockstep_placeholder is not None:
+        from distill.distributed import all_reduce_max
+
+        calls = all_reduce_max(len(todo))
+        todo += [None] * (calls - len(todo))
     if not todo:
         return 0
     from diffusers import UniPCMultistepScheduler, WanPipeline
@@ -153,8 +163,7 @@ def fill_latent_cache(
         cfg.num_frames,
     )
 
-    def sample(chunk: list[str]) -> list[torch.Tensor]:
-        prompt = chunk[0]
+    def sample(prompt: str) -> torch.Tensor:
         cond = pad_embedding(embeddings.get(prompt), cfg.max_sequence_length)[None].to(device, dtype)
         with torch.no_grad():
             latents = pipe(
@@ -170,7 +179,15 @@ def fill_latent_cache(
                 output_type="latent",
                 max_sequence_length=cfg.max_sequence_length,
             ).frames
-        return [latents[0].float().cpu()]
+        return latents[0].float().cpu()
 
+    built = 0
     with tqdm(total=len(todo), desc="teacher latents", disable=not show_progress) as bar:
-        return fill_cache(cache, todo, sample, batch_size=1, progress=bar.update)
+        for prompt in todo:
+            if prompt is None:  # a lockstep call: keeps the sharded experts' collectives in step
+                sample(lockstep_placeholder)
+            else:
+                cache.put(prompt, sample(prompt))
+                built += 1
+            bar.update(1)
+    return built

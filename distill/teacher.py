@@ -299,8 +299,28 @@ def load_expert(info: TeacherInfo, subfolder: str, dtype: torch.dtype) -> Any:
     return model.requires_grad_(False).eval()
 
 
-def place_expert(model: Any, device: torch.device, on_cpu: bool) -> Any:
-    """Put a frozen expert where it computes: on the device, or streamed from CPU RAM block by block."""
+def shard_expert(model: Any, device: torch.device, world_size: int) -> Any:
+    """Shard a frozen expert over all ranks with FSDP2: each rank keeps 1/N of every block.
+
+    One `fully_shard` per transformer block, then the root, so a forward gathers one block at a
+    time and frees it after use. No gradients and no optimizer: only the parameters are sharded.
+    Every rank must then call the expert the same number of times (see GuidedTeacher.lockstep).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return model
+
+
+def place_expert(model: Any, device: torch.device, on_cpu: bool, shard_over: int = 0) -> Any:
+    """Put a frozen expert where it computes: on the device, streamed from CPU RAM block by block,
+    or sharded over `shard_over` ranks."""
+    if shard_over > 1:
+        return shard_expert(model.to(device), device, shard_over)
     if on_cpu and device.type == "cuda":
         # Weights stay in (pinned) CPU memory; each block is copied to the GPU just before it runs,
         # overlapped with compute on a side stream. The forward still runs on the GPU.
@@ -335,31 +355,47 @@ class GuidedTeacher:
         guidance_low: float,
         device: torch.device,
         dtype: torch.dtype,
+        lockstep: bool = False,
     ) -> None:
         self.high, self.low = high, low
+        # Sharded experts run collectives in their forward: every rank must call an expert whenever
+        # any rank does, even with nothing of its own to compute.
+        self.lockstep = lockstep
         self.boundary_ratio = boundary_ratio
         self.guidance_high, self.guidance_low = guidance_high, guidance_low
         self.device, self.dtype = device, dtype
 
     @torch.no_grad()
     def velocity(
-        self, x_t: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor
+        self,
+        x_t: torch.Tensor,
+        timesteps: torch.Tensor,
+        cond: torch.Tensor,
+        uncond: torch.Tensor,
+        experts_needed: tuple[bool, bool] | None = None,
     ) -> torch.Tensor:
         """Guided velocity for each sample of a batch.
 
         x_t (B,C,F,H,W) and cond (B,L,D) live on the device; `timesteps` (B,) lives on the CPU so the
         routing below costs no device sync; `uncond` is the negative-prompt embedding (1,L,D).
         Each expert runs once, on its slice of the batch, with the conditional and unconditional
-        inputs stacked into one forward.
+        inputs stacked into one forward. `experts_needed` = (high, low) says whether ANY rank needs
+        each expert this step; in lockstep mode a rank with no sample for a needed expert runs it
+        on a placeholder sample and drops the result.
         """
         out = torch.empty(x_t.shape, dtype=torch.float32, device=x_t.device)
         is_high = high_noise_mask(timesteps, self.boundary_ratio)
-        for expert, scale, mask in (
-            (self.high, self.guidance_high, is_high),
-            (self.low, self.guidance_low, ~is_high),
+        needed = (
+            experts_needed if experts_needed is not None else (bool(is_high.any()), bool((~is_high).any()))
+        )
+        for expert, scale, mask, anywhere in (
+            (self.high, self.guidance_high, is_high, needed[0]),
+            (self.low, self.guidance_low, ~is_high, needed[1]),
         ):
             rows = mask.nonzero().flatten()
             if rows.numel() == 0:
+                if self.lockstep and anywhere:
+                    self._placeholder_forward(expert, x_t, timesteps, cond, uncond)
                 continue
             n = rows.numel()
             rows_dev = rows.to(x_t.device, non_blocking=True)
@@ -375,3 +411,22 @@ class GuidedTeacher:
             guided = apply_guidance(both[:n].float(), both[n:].float(), scale)
             out.index_copy_(0, rows_dev, guided)
         return out
+
+    def _placeholder_forward(
+        self,
+        expert: Any,
+        x_t: torch.Tensor,
+        timesteps: torch.Tensor,
+        cond: torch.Tensor,
+        uncond: torch.Tensor,
+    ) -> None:
+        """Join the collectives of a sharded expert's forward with one sample whose result is dropped."""
+        text = torch.cat([cond[:1], uncond]).to(self.dtype)
+        x = x_t[:1].to(self.dtype)
+        t = timesteps[:1].to(x_t.device)
+        expert(
+            hidden_states=torch.cat([x, x]),
+            timestep=torch.cat([t, t]),
+            encoder_hidden_states=text,
+            return_dict=False,
+        )

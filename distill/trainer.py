@@ -31,7 +31,7 @@ from distill.distributed import DistContext
 from distill.errors import DistillError, Progress, Stage
 from distill.faults import FaultInjector
 from distill.objective import add_noise, high_noise_mask, per_sample_mse, sample_sigmas, sigmas_to_timesteps
-from distill.plan import memory_plan
+from distill.plan import choose_placement, memory_plan
 from distill.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
 from distill.student import (
     build_student,
@@ -138,11 +138,27 @@ class Distiller:
         self.prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]
         self.teacher_dtype = resolve_dtype(cfg.teacher_dtype, self.device)
         self.shift = cfg.flow_shift if cfg.flow_shift is not None else self.info.flow_shift
+        self.placement, self.placement_reason = choose_placement(
+            cfg, self.info, self.student_config, self.device, self.ctx.world_size
+        )
+        self.early_student: torch.nn.Module | None = None
 
     def plan(self) -> str:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
+        world = self.cfg.plan_world_size or self.ctx.world_size
+        local_world = min(
+            world, int(os.environ.get("LOCAL_WORLD_SIZE", 8 if self.cfg.plan_world_size else 1))
+        )
+        placement = (self.placement, self.placement_reason)
+        if self.cfg.plan_world_size and self.cfg.plan_world_size != self.ctx.world_size:
+            placement = choose_placement(self.cfg, self.info, self.student_config, self.device, world)
         return memory_plan(
-            self.cfg, self.info, self.student_config, self.device, self.ctx.world_size, local_world
+            self.cfg,
+            self.info,
+            self.student_config,
+            self.device,
+            world,
+            local_world,
+            chosen=placement,
         )
 
     # -- preparation -----------------------------------------------------------------------
@@ -201,6 +217,7 @@ class Distiller:
             low,
             self.device,
             self.is_main,
+            lockstep_placeholder=self.prompts[0] if self.placement == "shard" else None,
         )
         dist_utils.barrier()
         self._require_complete(latents, self.prompts)
@@ -212,6 +229,7 @@ class Distiller:
             cfg.guidance_scale_2,
             self.device,
             self.teacher_dtype,
+            lockstep=self.placement == "shard",
         )
         return embeddings, latents, negative, teacher
 
@@ -239,28 +257,35 @@ class Distiller:
             if local_rank // per_wave == wave:
                 if waves > 1:
                     logger.warning("loading the teacher experts (wave %d of %d)", wave + 1, waves)
-                high = place_expert(
-                    load_expert(self.info, "transformer", self.teacher_dtype), device, cfg.teacher_on_cpu
+                high = load_expert(self.info, "transformer", self.teacher_dtype)
+                low = load_expert(self.info, "transformer_2", self.teacher_dtype)
+                if cfg.student_init == "teacher":  # before placement: a sharded expert has no whole tensors
+                    self.early_student = self.init_from_teacher(
+                        high if cfg.student_init_expert == "high" else low
+                    )
+                shard_over = self.ctx.world_size if self.placement == "shard" else 0
+                on_cpu = self.placement == "cpu"
+                experts = (
+                    place_expert(high, device, on_cpu, shard_over),
+                    place_expert(low, device, on_cpu, shard_over),
                 )
-                low = place_expert(
-                    load_expert(self.info, "transformer_2", self.teacher_dtype), device, cfg.teacher_on_cpu
-                )
-                experts = (high, low)
             if waves > 1:
                 dist_utils.barrier()
         assert experts is not None
         return experts
 
-    def make_student(self, teacher: GuidedTeacher) -> torch.nn.Module:
+    def init_from_teacher(self, expert: torch.nn.Module) -> torch.nn.Module:
+        student = build_student(self.student_config, seed=self.cfg.seed)
+        report = init_student_from_teacher(student, expert)
+        logger.info("student initialised from the %s-noise expert: %s", self.cfg.student_init_expert, report)
+        return student
+
+    def make_student(self) -> torch.nn.Module:
         cfg = self.cfg
-        if cfg.student_init in ("random", "teacher"):
+        if cfg.student_init == "teacher":
+            student = self.early_student
+        elif cfg.student_init == "random":
             student = build_student(self.student_config, seed=cfg.seed)
-            if cfg.student_init == "teacher":
-                source = teacher.high if cfg.student_init_expert == "high" else teacher.low
-                report = init_student_from_teacher(student, source)
-                logger.info(
-                    "student initialised from the %s-noise expert: %s", cfg.student_init_expert, report
-                )
         else:
             student = load_pretrained_student(cfg.student_init, self.info.expert_config)
         if cfg.gradient_checkpointing:
@@ -336,7 +361,7 @@ class Distiller:
         result = RunResult(output_dir=out)
         embeddings, latents, negative, teacher = self.prepare_caches(result)
         dataset = DistillationDataset(self.prompts, latents, embeddings, cfg.max_sequence_length)
-        student = self.make_student(teacher)
+        student = self.make_student()
         loop = TrainingLoop(cfg, self, student, teacher, dataset, negative, out)
         result.resumed_from = loop.maybe_resume()
         loop.train(result)
@@ -503,14 +528,18 @@ class TrainingLoop:
         dtype = torch.bfloat16 if self.cfg.mixed_precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _global_randomness(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmas (CPU) and noise (device) of this rank's slice of the global micro-batch."""
+    def _global_randomness(
+        self, shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[bool, bool]]:
+        """Sigmas (CPU) and noise (device) of this rank's slice of the global micro-batch, and whether
+        any rank needs the high / low expert (known everywhere: the global sigmas are)."""
         world, rank = self.ctx.world_size, self.ctx.rank
         batch = shape[0]
         sigmas = sample_sigmas(batch * world, self.distiller.shift, self.timestep_generator)
         noise = torch.randn((batch * world, *shape[1:]), generator=self.noise_generator, device=self.device)
         rows = slice(rank * batch, (rank + 1) * batch)
-        return sigmas[rows], noise[rows]
+        high = high_noise_mask(sigmas_to_timesteps(sigmas), self.teacher.boundary_ratio)
+        return sigmas[rows], noise[rows], (bool(high.any()), bool((~high).any()))
 
     def micro_step(
         self, batch: dict[str, torch.Tensor], sums: torch.Tensor, sync: bool, poison: bool
@@ -520,14 +549,14 @@ class TrainingLoop:
         x0 = batch["x0"].to(self.device, non_blocking=True)
         # The cache keeps embeddings in the teacher's dtype; the student computes in float32 (or autocast).
         cond = batch["cond"].to(self.device, torch.float32, non_blocking=True)
-        sigmas, noise = self._global_randomness(tuple(x0.shape))
+        sigmas, noise, experts_needed = self._global_randomness(tuple(x0.shape))
         timesteps = sigmas_to_timesteps(sigmas)
         # Non-blocking copies of the small CPU tensors: a blocking one waits for every queued kernel
         # (the previous step's optimizer, then the teacher), leaving the GPU idle while the host
         # catches up with its kernel launches.
         timesteps_device = timesteps.to(self.device, non_blocking=True)
         x_t = add_noise(x0, noise.to(x0.dtype), sigmas.to(self.device, non_blocking=True))
-        target = self.teacher.velocity(x_t, timesteps, cond, self.negative)
+        target = self.teacher.velocity(x_t, timesteps, cond, self.negative, experts_needed)
         no_sync = self.model.no_sync if (self.ctx.enabled and not sync) else contextlib.nullcontext
         with no_sync():
             with self.autocast():
@@ -661,9 +690,27 @@ class TrainingLoop:
                     if due and self.step < self.total_steps and self.bad_steps == 0:
                         self.save()
                 self.save()
+            self.check_ranks_agree()
         finally:
             tracker.close()
         result.steps = self.step
+
+    def check_ranks_agree(self) -> None:
+        """At the end of a data-parallel run, prove every rank ended with the same student."""
+        if not self.ctx.enabled:
+            return
+        agree, digest = dist_utils.ranks_agree(unwrap_model(self.student), self.device)
+        if not agree:
+            raise DistillError(
+                "the ranks ended with different student weights",
+                "DDP keeps replicas identical; a difference means a rank skipped or repeated an update.",
+                fixes=["report this with the command line; the rank-0 checkpoint is the one to keep"],
+                stage=Stage.TRAINING,
+            )
+        if self.ctx.is_main:
+            logger.info(
+                "all %d ranks hold identical student weights (checksum %s)", self.ctx.world_size, digest
+            )
 
     def _count_bad_step(self, result: RunResult) -> None:
         self.bad_steps += 1

@@ -1,0 +1,184 @@
+"""The step benchmark (`python -m distill.bench`): its JSON has every field, with sane values.
+
+Nothing here asserts on speed: only that the numbers exist, are positive and hang together.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from distill import bench
+
+
+def _positive_summary(summary: dict, keys=("median", "p10", "p90")) -> None:
+    for key in keys:
+        assert summary[key] > 0, (key, summary)
+    assert summary[keys[1]] <= summary[keys[0]] <= summary[keys[2]], summary
+
+
+def check_result(result: dict, settings: bench.BenchSettings) -> None:
+    assert result["preset"] == settings.preset
+    assert result["settings"]["batch_size"] == settings.batch_size
+    assert {"device", "device_name", "torch", "diffusers", "threads"} <= set(result["environment"])
+
+    models = result["models"]
+    assert models["tokens_per_sample"] > 0 and models["text_len"] == settings.text_len
+    for name in ("teacher_expert", "student"):
+        assert models[name]["params"] > 0 and models[name]["layers"] > 0
+
+    steps = result["steps"]
+    assert steps["timed_trainer"] >= settings.steps and steps["timed_bare"] >= settings.steps
+    assert steps["instrumented"] == settings.steps
+    assert steps["skipped_by_trainer"] == 0
+
+    for loop in ("trainer", "bare"):
+        summary = result[loop]
+        _positive_summary(summary, ("median_ms", "p10_ms", "p90_ms"))
+        assert summary["steps_per_s"] == pytest.approx(1e3 / summary["median_ms"])
+        assert summary["samples_per_s"] == pytest.approx(settings.batch_size * summary["steps_per_s"])
+    # The trainer does at least what the bare loop does; allow for timing noise on a shared machine.
+    assert result["overhead_ratio"] > 0.8
+    assert result["overhead_ratio"] == pytest.approx(
+        result["trainer"]["median_ms"] / result["bare"]["median_ms"]
+    )
+
+    phases = result["phases_ms"]
+    assert set(phases) == {
+        "data",
+        "teacher",
+        "student_forward",
+        "student_backward",
+        "optimizer",
+        "other",
+        "step",
+    }
+    for name in ("data", "teacher", "student_forward", "student_backward", "optimizer", "step"):
+        _positive_summary(phases[name])
+    assert phases["other"]["median"] >= 0
+
+    memory = result["memory"]
+    floor = memory["floor"]
+    for key in ("student_params", "student_grads", "optimizer_state", "teacher_weights"):
+        assert floor[key] > 0, key
+    # AdamW keeps two float32 moments per trained float32 parameter.
+    assert floor["optimizer_state"] >= 2 * floor["student_grads"]
+    assert memory["floor_bytes"] > 0
+    assert memory["cpu_rss_peak_bytes"] > memory["floor_bytes"] or settings.device == "cuda"
+
+    flops = result["flops"]
+    assert flops["per_step"] == flops["teacher_per_step"] + flops["student_per_step"] > 0
+    assert flops["achieved_per_s"] == pytest.approx(
+        flops["per_step"] / (result["trainer"]["median_ms"] / 1e3)
+    )
+    assert result["wall_s"] > 0
+
+
+def test_cpu_tiny_bench_writes_every_field(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    result = bench.main(["--preset", "cpu-tiny", "--steps", "4", "--warmup", "1", "--json", str(out)])
+    settings, _ = bench.parse_args(["--preset", "cpu-tiny", "--steps", "4", "--warmup", "1"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    check_result(result, settings)
+    assert result["memory"]["cuda_max_allocated_bytes"] is None
+    assert result["flops"]["mfu"] is None  # no peak is known for a CPU
+    assert result["teacher_on_cpu"] is None
+    printed = capsys.readouterr().out
+    assert "overhead ratio" in printed and "student backward" in printed and "memory floor" in printed
+
+
+def test_presets_and_overrides_parse():
+    settings, path = bench.parse_args(
+        [
+            "--preset",
+            "gpu-1.3b",
+            "--teacher_layers",
+            "2",
+            "--no-compile",
+            "--teacher_on_cpu",
+            "--json",
+            "x.json",
+        ]
+    )
+    assert (settings.device, settings.dtype, settings.teacher_layers) == ("cuda", "bfloat16", 2)
+    assert settings.teacher_on_cpu and not settings.compile and str(path) == "x.json"
+    assert bench.parse_args(["--preset", "cpu-small"])[0].teacher == bench.SMALL_EXPERT
+
+
+def test_analytic_flops_match_the_flop_counter_on_everything_but_attention():
+    """FlopCounterMode skips CPU attention kernels, so compare with the attention products removed."""
+    from diffusers import WanTransformer3DModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = {**bench.SMALL_EXPERT, "num_layers": 2, "num_attention_heads": 2, "ffn_dim": 96, "text_dim": 32}
+    model = WanTransformer3DModel(**config)
+    batch, text_len, shape = 2, 7, bench.latent_shape(32, 48, 5)
+    tokens = bench.tokens_per_sample(config, shape)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(
+            hidden_states=torch.randn(batch, *shape),
+            timestep=torch.tensor([10.0, 900.0]),
+            encoder_hidden_states=torch.randn(batch, text_len, config["text_dim"]),
+            return_dict=False,
+        )
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    attention = config["num_layers"] * (4 * tokens * tokens * dim + 4 * tokens * text_len * dim)
+    expected = batch * (bench.forward_flops(config, tokens, text_len) - attention)
+    assert counter.get_total_flops() == expected
+
+
+def test_teacher_cast_matches_from_pretrained(tmp_path):
+    """The in-memory teacher has the dtypes `load_expert` gives: bf16, with diffusers' float32 islands."""
+    from diffusers import WanTransformer3DModel
+
+    config = {**bench.SMALL_EXPERT, "num_layers": 1, "num_attention_heads": 2, "ffn_dim": 32, "text_dim": 16}
+    model = WanTransformer3DModel(**config)
+    model.save_pretrained(tmp_path)
+    loaded = WanTransformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    cast = bench.cast_as_loaded(model, torch.bfloat16)
+
+    def dtypes(m):
+        return {name: t.dtype for name, t in [*m.named_parameters(), *m.named_buffers()]}
+
+    assert dtypes(cast) == dtypes(loaded)
+    assert torch.float32 in dtypes(cast).values() and torch.bfloat16 in dtypes(cast).values()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("teacher_on_cpu", [False, True])
+def test_gpu_preset_at_reduced_size(teacher_on_cpu):
+    argv = [
+        "--preset",
+        "gpu-1.3b",
+        "--teacher_layers",
+        "1",
+        "--student_layers",
+        "2",
+        "--height",
+        "240",
+        "--width",
+        "416",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--block",
+        "2",
+    ]
+    if teacher_on_cpu:
+        argv.append("--teacher_on_cpu")
+    settings, _ = bench.parse_args(argv)
+    result = bench.main(argv)
+    check_result(result, settings)
+    memory = result["memory"]
+    assert memory["cuda_max_reserved_bytes"] >= memory["cuda_max_allocated_bytes"] >= memory["floor_bytes"]
+    assert 0 < result["flops"]["mfu"] < 1 or result["flops"]["peak_per_s"] is None
+    placement = result["teacher_on_cpu"]
+    if teacher_on_cpu:
+        assert memory["teacher_host_bytes"] == memory["floor"]["teacher_weights"]
+        assert placement["streamed_ms"]["median"] > 0 and placement["resident_ms"]["median"] > 0
+        assert math.isfinite(placement["slowdown"])
+    else:
+        assert placement is None
