@@ -330,6 +330,10 @@ def place_expert(model: Any, device: torch.device, on_cpu: bool, shard_over: int
             offload_type="block_level",
             num_blocks_per_group=1,
             use_stream=True,
+            # Copies from pinned memory overlap the previous block's compute instead of blocking the
+            # host; record_stream lets the allocator reuse each block's memory as soon as it is done.
+            non_blocking=True,
+            record_stream=True,
         )
         return model
     return model.to(device)
