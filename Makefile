@@ -29,7 +29,8 @@ demo: $(STAMP)
 		--height 32 --width 32 --num_frames 1 \
 		--teacher_sample_steps 8 \
 		--batch_size 4 --num_steps 600 --lr 3e-3 --lr_warmup_steps 20 \
-		--log_every 20 --checkpoint_every 100 --ema_decay 0.99 --seed 0
+		--log_every 20 --checkpoint_every 100 --ema_decay 0.99 --seed 0 \
+		--save_samples --sample_interval 200 --sample_steps 8 --eval_interval 600
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

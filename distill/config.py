@@ -108,6 +108,23 @@ class TrainConfig:
     num_workers: int = _opt(0, "DataLoader worker processes reading the clean-latent cache.")
     device: str = _opt("auto", "auto (cuda when available), cuda, cuda:N or cpu.")
 
+    # --- samples and evaluation ----------------------------------------------------------
+    save_samples: bool = _opt(
+        False,
+        "Render the held-out prompts with the student every --sample_interval steps (teacher references once).",
+    )
+    sample_prompts: str | None = _opt(
+        None, "Prompts for samples (default data/sample_prompts.txt, held out)."
+    )
+    sample_interval: int = _opt(500, "Steps between sample rounds.")
+    sample_dir: str | None = _opt(None, "Where samples and grids go (default <output_dir>/samples).")
+    sample_steps: int = _opt(30, "Sampler steps for samples, teacher references and the evaluation.")
+    sample_seed: int = _opt(0, "Prompt i is sampled with seed sample_seed + i, teacher and student alike.")
+    eval_interval: int = _opt(0, "Steps between student-vs-teacher reports (eval.json, eval.png); 0 = off.")
+    eval_prompts: str | None = _opt(None, "Prompts for the report (default: the sample prompts).")
+    eval_num_buckets: int = _opt(10, "Timestep buckets over [0, 1000] in the denoiser report.")
+    eval_samples_per_bucket: int = _opt(1, "Noised samples per bucket and prompt in the denoiser report.")
+
     # --- distributed ------------------------------------------------------------------------
     backend: str = _opt(
         "auto",
@@ -179,6 +196,10 @@ class TrainConfig:
             "log_every",
             "keep_last",
             "max_bad_steps",
+            "sample_interval",
+            "sample_steps",
+            "eval_num_buckets",
+            "eval_samples_per_bucket",
         ]
         for name in positive + ["num_steps", "num_epochs", "max_prompts", "plan_world_size"]:
             value = getattr(self, name)
@@ -188,7 +209,13 @@ class TrainConfig:
                 )
         if self.dist_timeout <= 0:
             raise _config_error("dist_timeout", "must be positive (minutes)", "try --dist_timeout 60")
-        for name in ("checkpoint_every", "lr_warmup_steps", "num_workers", "teacher_load_concurrency"):
+        for name in (
+            "checkpoint_every",
+            "lr_warmup_steps",
+            "num_workers",
+            "teacher_load_concurrency",
+            "eval_interval",
+        ):
             if getattr(self, name) < 0:
                 raise _config_error(name, "must be 0 or more", f"set --{name} 0")
         if self.num_frames % 4 != 1:

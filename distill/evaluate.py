@@ -56,6 +56,7 @@ import torch
 from distill.errors import DistillError, Stage, report
 from distill.objective import NUM_TRAIN_TIMESTEPS, add_noise, per_sample_mse
 from distill.sampling import (
+    compute_dtype,
     decode_latents,
     initial_noise,
     load_scheduler,
@@ -65,7 +66,7 @@ from distill.sampling import (
     teacher_pipeline,
     teacher_vae,
 )
-from distill.teacher import GuidedTeacher, TeacherInfo
+from distill.teacher import GuidedTeacher, TeacherInfo, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +114,8 @@ class EvalSettings:
     """Teacher guidance of the high-noise expert."""
     guidance_scale_2: float = 3.0
     """Teacher guidance of the low-noise expert."""
-    probe_batch: int = 4
-    """Noised inputs per model forward in the denoiser comparison (memory vs speed)."""
+    probe_batch: int = 1
+    """Noised inputs per model forward in the denoiser comparison; the training batch size fits."""
 
 
 @dataclass
@@ -252,7 +253,7 @@ def build_reference(
             settings.guidance_scale,
             settings.guidance_scale_2,
             device,
-            next(high.parameters()).dtype,
+            compute_dtype(high),
         )
         uncond = negative.to(device, torch.float32)
         targets = []
@@ -283,7 +284,7 @@ def denoiser_errors(
     batch: int,
 ) -> list[list[float]]:
     """[t, mse, mean(target^2)] for each probe: the student's velocity against the guided teacher's."""
-    dtype = next(student.parameters()).dtype
+    dtype = compute_dtype(student)
     rows = []
     for x, t, target in zip(x_t.split(batch), timesteps.split(batch), targets.split(batch)):
         prediction = student(
@@ -615,6 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples_per_bucket", type=int, default=defaults.samples_per_bucket)
     parser.add_argument("--guidance_scale", type=float, default=defaults.guidance_scale)
     parser.add_argument("--guidance_scale_2", type=float, default=defaults.guidance_scale_2)
+    parser.add_argument(
+        "--batch_size", type=int, default=defaults.probe_batch, help="Noised inputs per forward (memory)."
+    )
     parser.add_argument("--negative_prompt", default="")
     parser.add_argument("--max_prompts", type=int, default=None, help="Use only the first N prompts.")
     parser.add_argument("--max_sequence_length", type=int, default=512)
@@ -653,16 +657,23 @@ def check_sizes(height: int, width: int, num_frames: int, steps: int) -> None:
 
 def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     from distill.data import read_prompts
-    from distill.generate import load_student, model_dtype, pick_device
+    from distill.generate import load_student, pick_device
     from distill.sampling import encode_prompts
     from distill.teacher import inspect_teacher, load_expert
 
     check_sizes(args.height, args.width, args.num_frames, args.steps)
+    for name in ("num_buckets", "samples_per_bucket", "batch_size"):
+        if getattr(args, name) <= 0:
+            raise DistillError(
+                f"--{name} must be a positive integer, got {getattr(args, name)}",
+                fixes=[f"use --{name} 1 or more"],
+                stage=Stage.CONFIG,
+            )
     info = inspect_teacher(args.teacher_path)
     student_dir = Path(args.student)
     prompts = read_prompts(args.prompts)[: args.max_prompts]
     device = pick_device(args.device)
-    dtype = model_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device)
     student = load_student(student_dir, info, device, dtype)
     embeddings = encode_prompts(
         info.path, [*prompts, args.negative_prompt], args.max_sequence_length, device, dtype
@@ -679,6 +690,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         samples_per_bucket=args.samples_per_bucket,
         guidance_scale=args.guidance_scale,
         guidance_scale_2=args.guidance_scale_2,
+        probe_batch=args.batch_size,
     )
     extra = {
         "student": str(student_dir.resolve()),

@@ -43,14 +43,21 @@ logger = logging.getLogger(__name__)
 
 
 def pick_device(name: str) -> torch.device:
-    from distill.trainer import pick_device as trainer_pick_device
-
-    return trainer_pick_device(name)
-
-
-def model_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto = bfloat16 on CUDA, float32 on CPU (as for the teacher during training)."""
-    return resolve_dtype(name, device)
+    """auto = the GPU when torch sees one, else the CPU; asking for CUDA without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise DistillError(
+            f"--device {name}: unknown device", fixes=["use auto, cpu, cuda or cuda:N"], stage=Stage.ARGV
+        )
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise DistillError(
+            f"--device {name} asked for CUDA, but torch sees no GPU",
+            f"torch {torch.__version__}, CUDA build: {torch.version.cuda}",
+            fixes=["use --device auto (or cpu)"],
+            stage=Stage.SETUP,
+        )
+    return torch.device(name)
 
 
 def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dtype: torch.dtype) -> Any:
@@ -61,10 +68,14 @@ def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dt
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        if folder.is_dir():
+            found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+            details = f"{folder} has no config.json; it holds: {found}"
+        else:
+            details = f"{folder} does not exist"
         raise DistillError(
             f"student folder not found: {folder}",
-            f"{folder} holds no config.json" + (f" (it holds: {', '.join(found)})" if found else ""),
+            details,
             causes=["training has not finished (the student is exported at the end)", "a typo in --student"],
             fixes=[
                 "pass the student/ (or student_ema/) folder that train_distillation.py wrote into --output_dir",
@@ -136,11 +147,15 @@ def collect_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> 
             )
         collected += read_prompts(prompts_file)
     if not collected:
-        raise DistillError("no prompt given", fixes=['pass --prompt "..." or --prompts_file FILE'], stage=Stage.ARGV)
+        raise DistillError(
+            "no prompt given", fixes=['pass --prompt "..." or --prompts_file FILE'], stage=Stage.ARGV
+        )
     return collected
 
 
-def build_pipeline(args: argparse.Namespace, info: TeacherInfo, device: torch.device, dtype: torch.dtype) -> Any:
+def build_pipeline(
+    args: argparse.Namespace, info: TeacherInfo, device: torch.device, dtype: torch.dtype
+) -> Any:
     """WanPipeline with the teacher's shared components and the student (or both teacher experts)."""
     from distill.teacher import load_expert
 
@@ -163,14 +178,22 @@ def generate(args: argparse.Namespace) -> list[Path]:
 
     check_sizes(args.height, args.width, args.num_frames, args.steps)
     if not args.teacher_only and not args.student:
-        raise DistillError("--student is required", fixes=["pass --student OUTPUT/student, or --teacher_only"], stage=Stage.ARGV)
+        raise DistillError(
+            "--student is required",
+            fixes=["pass --student OUTPUT/student, or --teacher_only"],
+            stage=Stage.ARGV,
+        )
     prompts = collect_prompts(args.prompt, args.prompts_file)
     targets = output_paths(args.output, len(prompts), args.num_frames)
     info = inspect_teacher(args.teacher_path)
     device = pick_device(args.device)
-    pipe = build_pipeline(args, info, device, model_dtype(args.dtype, device))
+    pipe = build_pipeline(args, info, device, resolve_dtype(args.dtype, device))
     guidance = args.guidance if args.guidance is not None else (4.0 if args.teacher_only else 1.0)
-    extra = {"guidance_scale_2": args.guidance_2 if args.guidance_2 is not None else 3.0} if args.teacher_only else {}
+    extra = (
+        {"guidance_scale_2": args.guidance_2 if args.guidance_2 is not None else 3.0}
+        if args.teacher_only
+        else {}
+    )
     written = []
     for i, (prompt, target) in enumerate(zip(prompts, targets)):
         frames = pipe(
@@ -187,7 +210,6 @@ def generate(args: argparse.Namespace) -> list[Path]:
             **extra,
         ).frames[0]
         written.append(write_frames(frames, target))
-        logger.info("wrote %s", written[-1])
     return written
 
 
@@ -197,8 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate with the distilled student (guidance 1) or, with --teacher_only, the teacher.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--student", help="The exported student folder (OUTPUT/student or OUTPUT/student_ema).")
-    parser.add_argument("--teacher_path", required=True, help="The Wan 2.2 A14B teacher (diffusers folder or hub id).")
+    parser.add_argument(
+        "--student", help="The exported student folder (OUTPUT/student or OUTPUT/student_ema)."
+    )
+    parser.add_argument(
+        "--teacher_path", required=True, help="The Wan 2.2 A14B teacher (diffusers folder or hub id)."
+    )
     parser.add_argument("--prompt", action="append", help="A prompt; may be given several times.")
     parser.add_argument("--prompts_file", help="More prompts, from a .txt / .jsonl / .csv file.")
     parser.add_argument("--output", required=True, help="Output file (one prompt) or folder (several).")
@@ -207,10 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_frames", type=int, default=1, help="1 = image (PNG), 4k+1 = video (MP4).")
     parser.add_argument("--steps", type=int, default=30, help="Sampler steps.")
     parser.add_argument("--seed", type=int, default=0, help="Prompt i uses seed + i.")
-    parser.add_argument("--guidance", type=float, default=None, help="Guidance scale (default 1.0 student, 4.0 teacher).")
-    parser.add_argument("--guidance_2", type=float, default=None, help="Teacher's low-noise guidance (default 3.0).")
+    parser.add_argument(
+        "--guidance", type=float, default=None, help="Guidance scale (default 1.0 student, 4.0 teacher)."
+    )
+    parser.add_argument(
+        "--guidance_2", type=float, default=None, help="Teacher's low-noise guidance (default 3.0)."
+    )
     parser.add_argument("--negative_prompt", default="", help="Used only when guidance > 1.")
-    parser.add_argument("--teacher_only", action="store_true", help="Render the teacher instead of the student.")
+    parser.add_argument(
+        "--teacher_only", action="store_true", help="Render the teacher instead of the student."
+    )
     parser.add_argument("--max_sequence_length", type=int, default=512)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     parser.add_argument(

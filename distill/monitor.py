@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -43,7 +45,9 @@ from distill.evaluate import (
 )
 from distill.sampling import (
     decode_with_teacher_vae,
+    first_frames,
     initial_noise,
+    latent_preview,
     load_scheduler,
     media_suffix,
     rank_share,
@@ -58,6 +62,7 @@ from distill.teacher import TeacherInfo
 logger = logging.getLogger(__name__)
 
 DEFAULT_SAMPLE_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "sample_prompts.txt"
+LOSS_PLOT_MIN_SECONDS = 10.0
 
 
 def _noop() -> None:
@@ -106,6 +111,8 @@ class SampleSettings:
     """Teacher guidance of the low-noise expert."""
     max_sequence_length: int = 512
     """Rows the prompt embeddings are zero-padded to, as in training."""
+    batch_size: int = 1
+    """Noised inputs per forward in the report: the training batch size, known to fit in memory."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> SampleSettings:
@@ -116,6 +123,29 @@ class SampleSettings:
     @property
     def enabled(self) -> bool:
         return self.save_samples or self.eval_interval > 0
+
+    def validate(self) -> None:
+        """Refuse values the monitor cannot work with, naming the flag to change."""
+        positive = (
+            "sample_interval",
+            "sample_steps",
+            "eval_num_buckets",
+            "eval_samples_per_bucket",
+            "batch_size",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise DistillError(
+                    f"--{name} must be a positive integer, got {getattr(self, name)}",
+                    fixes=[f"set --{name} to 1 or more"],
+                    stage=Stage.CONFIG,
+                )
+        if self.eval_interval < 0:
+            raise DistillError(
+                f"--eval_interval must be 0 (off) or positive, got {self.eval_interval}",
+                fixes=["set --eval_interval 0 to turn the report off"],
+                stage=Stage.CONFIG,
+            )
 
     def eval_settings(self) -> EvalSettings:
         return EvalSettings(
@@ -128,6 +158,7 @@ class SampleSettings:
             samples_per_bucket=self.eval_samples_per_bucket,
             guidance_scale=self.guidance_scale,
             guidance_scale_2=self.guidance_scale_2,
+            probe_batch=self.batch_size,
         )
 
 
@@ -138,7 +169,7 @@ class EvalOutput(NamedTuple):
     metrics: dict[str, float]
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the sample and eval sets may be one object
 class _PromptSet:
     prompts: list[str]
     conds: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -168,7 +199,11 @@ def sampling_weights(student: torch.nn.Module, ema: Any = None) -> Iterator[torc
 
 
 def _read_prompt_file(path: str | Path, flag: str) -> list[str]:
-    if not Path(path).is_file():
+    path = Path(path)
+    shipped = DEFAULT_SAMPLE_PROMPTS.parents[1] / path
+    if not path.is_file() and not path.is_absolute() and shipped.is_file():
+        path = shipped  # "data/sample_prompts.txt" also works when launched from another folder
+    if not path.is_file():
         raise DistillError(
             f"--{flag} {path}: file not found",
             fixes=[f"check the path, or leave --{flag} out to use {DEFAULT_SAMPLE_PROMPTS.name} (held out)"],
@@ -191,6 +226,7 @@ class SampleMonitor:
         world_size: int = 1,
         barrier: Callable[[], None] = _noop,
     ) -> None:
+        settings.validate()
         self.settings, self.info = settings, info
         self.output_dir = Path(output_dir)
         self.sample_dir = Path(settings.sample_dir) if settings.sample_dir else self.output_dir / "samples"
@@ -198,13 +234,17 @@ class SampleMonitor:
         self.device = device
         self.rank, self.world_size, self.barrier = rank, world_size, barrier
         self.is_main = rank == 0
-        self.samples = _PromptSet(_read_prompt_file(settings.sample_prompts or DEFAULT_SAMPLE_PROMPTS, "sample_prompts"))
+        self.samples = _PromptSet(
+            _read_prompt_file(settings.sample_prompts or DEFAULT_SAMPLE_PROMPTS, "sample_prompts")
+        )
         self.evals = self.samples
         if settings.eval_prompts:
             self.evals = _PromptSet(_read_prompt_file(settings.eval_prompts, "eval_prompts"))
         self.latent_shape = info.latent_shape(settings.height, settings.width, settings.num_frames)
         self._scheduler = None
         self.teacher_files: list[Path] = []
+        self._teacher_previews: list[Any] = []
+        self._last_loss_plot = -math.inf
 
     # -- what the trainer asks -----------------------------------------------------------------
     @property
@@ -238,12 +278,11 @@ class SampleMonitor:
         """
         if not self.settings.enabled:
             return []
-        negative = pad_embedding(negative, self.settings.max_sequence_length)
+        # (tokens, D) from the cache or the trainer's padded (1, L, D): the same rows either way
+        negative = pad_embedding(negative.reshape(-1, negative.shape[-1]), self.settings.max_sequence_length)
         sets = [self.samples] if self.settings.save_samples else []
-        if self.settings.eval_interval and self.evals is not self.samples:
-            sets.append(self.evals)
-        elif self.settings.eval_interval and not sets:
-            sets.append(self.evals)
+        if self.settings.eval_interval and self.evals not in sets:
+            sets.append(self.evals)  # its own prompts, or the sample prompts when not saving samples
         for prompt_set in sets:
             self._fill_conds(prompt_set, embeddings)
             with_probes = self.settings.eval_interval > 0 and prompt_set is self.evals
@@ -263,10 +302,15 @@ class SampleMonitor:
         if not self.settings.save_samples:
             return []
         reference = self.samples.reference
-        mine = self._write_round(None, [z for z, (_, keep) in zip(reference.latents, reference.items) if keep])
+        mine = self._write_round(
+            None, [z for z, (_, keep) in zip(reference.latents, reference.items) if keep]
+        )
         self.barrier()
         self.teacher_files = self._round_files(None)
-        return self.teacher_files if self.is_main else mine
+        if not self.is_main:
+            return mine
+        self._teacher_previews = self._collect_previews(None)
+        return self.teacher_files
 
     def _fill_conds(self, prompt_set: _PromptSet, embeddings: Any) -> None:
         mine = {index for index, _ in rank_share(len(prompt_set.prompts), self.rank, self.world_size)}
@@ -282,7 +326,7 @@ class SampleMonitor:
         Writes step_<step>_prompt_<i>.png/.mp4 and, on rank 0, grid_step_<step>.png; returns the
         files written (rank 0: every rank's samples of this step and the grid), [] when not due.
         """
-        if not (force or self.samples_due(step)) or self.samples.reference is None:
+        if not self.settings.save_samples or not (force or self.samples_due(step)):
             return []
         with sampling_weights(student, ema) as model:
             latents = self._sample_student(model)
@@ -291,12 +335,17 @@ class SampleMonitor:
         if not self.is_main:
             return mine
         files = self._round_files(step)
+        rows = [
+            ("teacher", first_frames(self.teacher_files)),
+            ("student", first_frames(files)),
+            ("teacher latent", self._teacher_previews),
+            ("student latent", self._collect_previews(step)),
+        ]
         grid = write_grid(
-            self.teacher_files,
-            files,
+            rows,
             self.sample_dir / f"grid_step_{step:08d}.png",
             prompts=self.samples.prompts,
-            title=f"teacher (top) vs student (bottom), step {step}",
+            title=f"step {step}: teacher (its guidance) vs student (guidance 1), same noise",
         )
         return [*files, grid]
 
@@ -307,16 +356,33 @@ class SampleMonitor:
         latents = []
         for index, keep in self.samples.reference.items:
             noise = initial_noise(self.latent_shape, self.settings.sample_seed + index)
-            latent = sample_latents(pipe, noise, self.samples.conds[index], None, self.settings.sample_steps, 1.0)
+            latent = sample_latents(
+                pipe, noise, self.samples.conds[index], None, self.settings.sample_steps, 1.0
+            )
             if keep:
                 latents.append(latent)
         return latents
 
     def _write_round(self, step: int | None, latents: Sequence[torch.Tensor]) -> list[Path]:
-        """Decode this rank's latents (VAE loaded for this only) and write them."""
+        """Decode this rank's latents (VAE loaded for this only) and write them, plus latent
+        previews for rank 0's grid (hidden files, removed once the grid is drawn)."""
         indices = [index for index, keep in self.samples.reference.items if keep]
+        for index, latent in zip(indices, latents):
+            write_frames(latent_preview(latent)[None] / 255.0, self._preview_path(step, index))
         frames = decode_with_teacher_vae(latents, self.info.path, self.device)
         return [write_frames(f, self.sample_dir / sample_stem(step, i)) for i, f in zip(indices, frames)]
+
+    def _preview_path(self, step: int | None, index: int) -> Path:
+        return self.sample_dir / ".latent_previews" / f"{sample_stem(step, index)}.png"
+
+    def _collect_previews(self, step: int | None) -> list[Any]:
+        paths = [self._preview_path(step, i) for i in range(len(self.samples.prompts))]
+        previews = first_frames(paths)
+        for path in paths:
+            path.unlink()
+        with contextlib.suppress(OSError):  # another round may be writing into it
+            paths[0].parent.rmdir()
+        return previews
 
     def _round_files(self, step: int | None) -> list[Path]:
         suffix = media_suffix(self.settings.num_frames)
@@ -359,13 +425,23 @@ class SampleMonitor:
         return EvalOutput([out_dir / "eval.json", out_dir / "eval.png"], flat_metrics(result))
 
     # -- loss plot -----------------------------------------------------------------------------
-    def plot_loss(self, metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
-        """loss.png from metrics.jsonl (rank 0 only; None elsewhere or before the first log)."""
-        if not self.is_main:
+    def plot_loss(
+        self, metrics_jsonl: str | Path, out_png: str | Path, *, force: bool = False
+    ) -> Path | None:
+        """Redraw loss.png from metrics.jsonl; call it at every logged step and with force=True at the end.
+
+        Rank 0 only. A redraw costs ~0.15 s, so without `force` it is skipped when the last one is
+        less than LOSS_PLOT_MIN_SECONDS old (tiny runs log many times a second). Returns the file,
+        or None when nothing was drawn.
+        """
+        now = time.monotonic()
+        if not self.is_main or (not force and now - self._last_loss_plot < LOSS_PLOT_MIN_SECONDS):
             return None
         from distill.plots import plot_loss
 
-        return plot_loss(metrics_jsonl, out_png)
+        path = plot_loss(metrics_jsonl, out_png)
+        self._last_loss_plot = now if path is not None else self._last_loss_plot
+        return path
 
 
 def wandb_media(files: Sequence[Path]) -> dict[str, Any]:

@@ -42,17 +42,24 @@ def _save(fig: Any, out_png: str | Path) -> Path:
 
 
 def read_metrics(metrics_jsonl: str | Path) -> list[dict[str, float]]:
-    """Rows of metrics.jsonl; a line still being written (not yet valid JSON) is skipped."""
-    rows = []
+    """Rows of metrics.jsonl merged by step, later values winning.
+
+    A resumed run logs again the steps after its checkpoint, and those later rows led to the
+    current weights; rows of other kinds (e.g. eval scalars) at the same step add their keys.
+    A line still being written (not yet valid JSON) is skipped.
+    """
     path = Path(metrics_jsonl)
     if not path.is_file():
-        return rows
+        return []
+    by_step = {}
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
-    return rows
+        if isinstance(row, dict) and "step" in row:
+            by_step.setdefault(row["step"], {}).update(row)
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def plot_loss(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
@@ -109,8 +116,8 @@ def _plot_denoiser(ax: Any, denoiser: dict[str, Any], boundary: float) -> None:
     centres = [(b["t_min"] + b["t_max"]) / 2 for b in buckets]
     widths = [0.8 * (b["t_max"] - b["t_min"]) for b in buckets]
     ax.bar(centres, [b["mse"] for b in buckets], width=widths, color="tab:purple")
-    ax.axvline(boundary, color="gray", linestyle="--", linewidth=1)
-    ax.text(boundary, ax.get_ylim()[1] * 0.95, " expert switch", color="gray", va="top", fontsize=8)
+    ax.axvline(boundary, color="gray", linestyle="--", linewidth=1, label=f"expert switch (t = {boundary:g})")
+    ax.legend(loc="lower left", fontsize=8)
     experts = denoiser["by_expert"]
     ax.set_title(
         f"denoiser MSE (lower is better)\nhigh-noise {experts['high_noise']['mse']:.4g}, "
@@ -124,7 +131,18 @@ def _plot_denoiser(ax: Any, denoiser: dict[str, Any], boundary: float) -> None:
 
 def _plot_sampler(ax: Any, sampler: dict[str, Any]) -> None:
     rows = sampler["per_prompt"]
-    ax.bar([str(r["index"]) for r in rows], [r["frame_psnr_db"] for r in rows], color="tab:green")
+    positions = list(range(len(rows)))
+    bars = ax.bar(positions, [r["frame_psnr_db"] for r in rows], color="tab:green")
+    ax.set_xticks(positions, [str(r["index"]) for r in rows])
+    for bar, row in zip(bars, rows):
+        ax.annotate(
+            f"latent MSE\n{row['latent_mse']:.3g}",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    ax.set_ylim(0, max([r["frame_psnr_db"] for r in rows] + [1.0]) * 1.3)  # room for the labels
     ax.set_title(
         f"sampler PSNR, same noise (higher is better)\nmean {sampler['frame_psnr_db']:.2f} dB, "
         f"latent MSE {sampler['latent_mse']:.4g}",
@@ -137,7 +155,8 @@ def _plot_sampler(ax: Any, sampler: dict[str, Any]) -> None:
 def _plot_cost(ax: Any, cost: dict[str, Any]) -> None:
     names = ("teacher", "student")
     seconds = [cost[n]["seconds_per_sample"] for n in names]
-    bars = ax.bar(names, seconds, color=["tab:gray", "tab:orange"])
+    bars = ax.bar([0, 1], seconds, color=["tab:gray", "tab:orange"])
+    ax.set_xticks([0, 1], names)
     for bar, name in zip(bars, names):
         ax.annotate(
             f"{cost[name]['forwards_per_sample']:.0f} forwards",
@@ -160,17 +179,18 @@ def _plot_cost(ax: Any, cost: dict[str, Any]) -> None:
 
 
 def plot_sample_grid(
-    teacher: Sequence[np.ndarray],
-    student: Sequence[np.ndarray],
+    rows: Sequence[tuple[str, Sequence[np.ndarray]]],
     out_png: str | Path,
     prompts: Sequence[str] = (),
     title: str = "",
 ) -> Path:
-    """Teacher images on the top row, student images below, one column per prompt."""
+    """One labelled row of images per (label, images) (teacher first), one column per prompt."""
     plt = _pyplot()
-    columns = max(len(teacher), len(student), 1)
-    fig, axes = plt.subplots(2, columns, figsize=(2.0 * columns, 4.6), squeeze=False)
-    for row, (label, images) in enumerate((("teacher", teacher), ("student", student))):
+    columns = max([len(images) for _, images in rows] + [1])
+    fig, axes = plt.subplots(
+        len(rows), columns, figsize=(2.0 * columns, 2.1 * len(rows) + 0.4), squeeze=False
+    )
+    for row, (label, images) in enumerate(rows):
         for col in range(columns):
             ax = axes[row][col]
             ax.set_xticks([])
@@ -178,7 +198,7 @@ def plot_sample_grid(
             if col < len(images):
                 ax.imshow(images[col], interpolation="nearest")
             if col == 0:
-                ax.set_ylabel(label, fontsize=11)
+                ax.set_ylabel(label, fontsize=10)
             if row == 0 and col < len(prompts):
                 ax.set_title(_short(prompts[col]), fontsize=7)
     if title:

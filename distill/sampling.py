@@ -149,6 +149,13 @@ def teacher_pipeline(
     return pipe
 
 
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a model computes in. Not its first parameter's: diffusers keeps some Wan modules
+    (time embedder, norms, modulation tables) in float32 inside a bfloat16 model."""
+    dtype = getattr(model, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
+
+
 def initial_noise(latent_shape: Sequence[int], seed: int) -> torch.Tensor:
     """The starting noise (1, C, F, H, W) for `seed`, drawn on the CPU.
 
@@ -173,8 +180,7 @@ def sample_latents(
     `prompt_embeds` is (1, L, D) or (L, D), zero-padded as WanPipeline pads prompts.
     """
     device = pipe._execution_device
-    model = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
-    dtype = model.dtype
+    dtype = compute_dtype(pipe.transformer if pipe.transformer is not None else pipe.transformer_2)
     cond = prompt_embeds.reshape(1, *prompt_embeds.shape[-2:]).to(device, dtype)
     uncond = None
     if negative_prompt_embeds is not None and guidance_scale > 1.0:
@@ -209,8 +215,7 @@ def decode_latents(latents: torch.Tensor, vae: Any) -> np.ndarray:
     """Frames (F, H, W, 3) in [0, 1] from one latent (C, F, h, w), exactly as WanPipeline decodes."""
     from diffusers.video_processor import VideoProcessor
 
-    param = next(vae.parameters())
-    z = latents[None].to(param.device, param.dtype)
+    z = latents[None].to(vae.device, vae.dtype)
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z)
     video = vae.decode(z * std + mean, return_dict=False)[0]
@@ -304,19 +309,28 @@ def read_first_frame(path: str | Path) -> np.ndarray:
     return np.asarray(iio.imread(path))[..., :3]
 
 
+def latent_preview(latent: torch.Tensor) -> np.ndarray:
+    """A low-resolution look at a latent (C, F, h, w) without the VAE: channels 0-2 of the first
+    frame as RGB, +-2 standard deviations mapped to [0, 255]. Wan latents are normalised to unit
+    variance, so the same mapping fits every sample and teacher and student stay comparable."""
+    rgb = latent[:3, 0].float().permute(1, 2, 0).cpu().numpy()
+    return to_uint8(0.5 + rgb / 4.0)
+
+
 def write_grid(
-    teacher_files: Sequence[Path],
-    student_files: Sequence[Path],
+    rows: Sequence[tuple[str, Sequence[np.ndarray]]],
     out_png: str | Path,
     prompts: Sequence[str] = (),
     title: str = "",
 ) -> Path:
-    """A side-by-side PNG: teacher row on top, student row below, the first frame of each sample."""
+    """A grid PNG: one labelled row per (label, images), one column per prompt (teacher row first)."""
     from distill.plots import plot_sample_grid
 
-    teacher = [read_first_frame(p) for p in teacher_files]
-    student = [read_first_frame(p) for p in student_files]
-    return plot_sample_grid(teacher, student, out_png, prompts=prompts, title=title)
+    return plot_sample_grid(rows, out_png, prompts=prompts, title=title)
+
+
+def first_frames(files: Sequence[Path]) -> list[np.ndarray]:
+    return [read_first_frame(p) for p in files]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -105,6 +105,24 @@ class Tracker:
                 )
                 self.run = None
 
+    def log_media(self, step: int, files: list[Path], metrics: dict[str, float] | None = None) -> None:
+        """Samples, grids and report plots (already written to disk) plus report numbers, under `step`."""
+        if not self.enabled or (not files and not metrics):
+            return
+        if metrics:
+            with self.metrics_path.open("a") as handle:
+                handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.run is not None:
+            try:
+                from distill.monitor import wandb_media
+
+                self.run.log({**wandb_media(files), **(metrics or {})}, step=step)
+            except Exception as exc:
+                logger.warning(
+                    "wandb media logging failed (%s: %s); continuing without wandb", type(exc).__name__, exc
+                )
+                self.run = None
+
     def close(self) -> None:
         self.bar.close()
         if self.run is not None:

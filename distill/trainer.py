@@ -30,6 +30,7 @@ from distill.data import DistillationDataset, ResumableSampler, TensorCache, rea
 from distill.distributed import DistContext
 from distill.errors import DistillError, Progress, Stage
 from distill.faults import FaultInjector
+from distill.monitor import SampleMonitor, SampleSettings
 from distill.objective import add_noise, high_noise_mask, per_sample_mse, sample_sigmas, sigmas_to_timesteps
 from distill.plan import choose_placement, memory_plan
 from distill.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
@@ -142,6 +143,18 @@ class Distiller:
             cfg, self.info, self.student_config, self.device, self.ctx.world_size
         )
         self.early_student: torch.nn.Module | None = None
+        # Reads the sample/eval prompt files now, so a bad path fails before anything heavy loads.
+        settings = SampleSettings.from_config(cfg)
+        settings.validate()
+        self.monitor = SampleMonitor(
+            settings,
+            self.info,
+            cfg.output_dir,
+            self.device,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+            barrier=dist_utils.barrier,
+        )
 
     def plan(self) -> str:
         world = self.cfg.plan_world_size or self.ctx.world_size
@@ -187,7 +200,7 @@ class Distiller:
     ) -> tuple[TensorCache, TensorCache, torch.Tensor, GuidedTeacher]:
         cfg, rank, world = self.cfg, self.ctx.rank, self.ctx.world_size
         Progress.enter(Stage.DATA)
-        everything = [*self.prompts, cfg.negative_prompt]
+        everything = list(dict.fromkeys([*self.prompts, cfg.negative_prompt, *self.monitor.prompts]))
         embeddings = self._open_shared(lambda: embedding_cache(cfg, self.info, self.teacher_dtype))
         result.embeddings_built = fill_embedding_cache(
             embeddings,
@@ -663,6 +676,11 @@ class TrainingLoop:
             cfg.to_dict(),
         )
         self.wandb_run_id = tracker.wandb_run_id
+        monitor = self.distiller.monitor
+        tracker.log_media(
+            self.step,
+            monitor.start(self.teacher.high, self.teacher.low, self.dataset.embeddings, self.negative),
+        )
         sums = torch.zeros(5, device=self.device)
         step_sums = torch.zeros(5, device=self.device)
         try:
@@ -677,6 +695,9 @@ class TrainingLoop:
                         self._count_bad_step(result)
                     if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                         self._log(sums, grad_norm, tracker, result)
+                        if self.ctx.is_main:
+                            monitor.plot_loss(self.output_dir / "metrics.jsonl", self.output_dir / "loss.png")
+                    self._observe(monitor, tracker)
                     if stop_now:
                         result.stopped_by_signal = stop.signal_name or "a signal on another rank"
                         logger.warning(
@@ -690,10 +711,24 @@ class TrainingLoop:
                     if due and self.step < self.total_steps and self.bad_steps == 0:
                         self.save()
                 self.save()
+            if result.stopped_by_signal is None:
+                self._observe(monitor, tracker, final=True)
             self.check_ranks_agree()
         finally:
             tracker.close()
         result.steps = self.step
+
+    def _observe(self, monitor: SampleMonitor, tracker: Tracker, final: bool = False) -> None:
+        """Samples and the student-vs-teacher report when due (every rank takes part), logged on rank 0."""
+        Progress.enter(Stage.TRAINING, self.step)
+        force_samples = final and monitor.settings.save_samples and not monitor.samples_due(self.step)
+        files = monitor.after_step(self.step, self.student, self.ema, force=force_samples)
+        report = monitor.evaluate(self.step, self.student, self.ema)
+        tracker.log_media(
+            self.step, files + (report.files if report else []), report.metrics if report else None
+        )
+        if final and self.ctx.is_main:
+            monitor.plot_loss(self.output_dir / "metrics.jsonl", self.output_dir / "loss.png", force=True)
 
     def check_ranks_agree(self) -> None:
         """At the end of a data-parallel run, prove every rank ended with the same student."""
@@ -783,5 +818,19 @@ class TrainingLoop:
                     ema_dir = export_student(student, self.output_dir / "student_ema")
                 finally:
                     self.ema.restore(params)
+            self._write_pipeline_folder(ema_dir or student_dir)
         dist_utils.barrier()
         return student_dir, ema_dir
+
+    def _write_pipeline_folder(self, student_dir: Path) -> None:
+        """<output_dir>/pipeline/: WanPipeline.from_pretrained-ready, linking the teacher's parts (no copies)."""
+        from distill.sampling import write_pipeline_folder
+
+        try:
+            path = write_pipeline_folder(self.output_dir, self.distiller.info.path, student_dir)
+            logger.info(
+                "WanPipeline.from_pretrained(%r) loads the student with the teacher's text encoder and VAE",
+                str(path),
+            )
+        except DistillError as exc:  # e.g. no symlinks on this file system: the student itself is fine
+            logger.warning("no pipeline/ folder: %s (use python -m distill.generate instead)", exc.title)

@@ -229,3 +229,57 @@ def test_dry_run_prints_plan_and_writes_nothing(tiny_teacher, tmp_path, capsys):
     assert code == 0
     assert "student" in out and "memory per device" in out
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_training_with_samples_and_reports_leaves_pictures_and_eval(tiny_teacher, shared_cache, tmp_path):
+    result = run(
+        train_args(
+            tiny_teacher,
+            tmp_path / "out",
+            shared_cache,
+            num_steps=4,
+            save_samples=True,
+            sample_interval=2,
+            sample_steps=2,
+            eval_interval=4,
+            log_every=2,
+        )
+    )
+    samples = tmp_path / "out" / "samples"
+    names = {p.name for p in samples.iterdir()}
+    assert {f"teacher_prompt_0{i}.png" for i in range(4)} <= names
+    assert {f"step_0000000{s}_prompt_0{i}.png" for s in (2, 4) for i in range(4)} <= names
+    assert {"grid_step_00000002.png", "grid_step_00000004.png"} <= names
+    report = json.loads((tmp_path / "out" / "eval" / "step_00000004" / "eval.json").read_text())
+    assert {"denoiser", "sampler", "cost"} <= set(report)
+    assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
+    pipe = WanPipeline.from_pretrained(result.output_dir / "pipeline")
+    pipe.set_progress_bar_config(disable=True)
+    frames = pipe(
+        prompt="a cat",
+        height=16,
+        width=16,
+        num_frames=1,
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        output_type="np",
+    ).frames
+    assert frames.shape == (1, 1, 16, 16, 3)
+
+
+def test_video_training_samples_are_mp4(tiny_teacher, tmp_path):
+    run(
+        train_args(
+            tiny_teacher,
+            tmp_path / "out",
+            tmp_path / "cache",
+            num_frames=5,
+            num_steps=2,
+            save_samples=True,
+            sample_interval=2,
+            sample_steps=2,
+            max_prompts=2,
+        )
+    )
+    mp4s = sorted(p.name for p in (tmp_path / "out" / "samples").glob("*.mp4"))
+    assert "step_00000002_prompt_00.mp4" in mp4s and "teacher_prompt_00.mp4" in mp4s
