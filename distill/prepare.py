@@ -152,7 +152,7 @@ def fill_latent_cache(
         boundary_ratio=info.boundary_ratio,
     )
     pipe.set_progress_bar_config(disable=True)
-    dtype = next(high.parameters()).dtype
+    dtype = high.dtype  # the model's compute dtype (diffusers keeps some parameters in float32)
     negative_embeds = pad_embedding(negative, cfg.max_sequence_length)[None].to(device, dtype)
     logger.info(
         "sampling %d clean latent(s) with the teacher (%d steps, %dx%d, %d frame(s))",

@@ -824,6 +824,12 @@ def _fsync_tree(folder: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def export_student(model: nn.Module, out_dir: str | Path) -> Path:
     """Write the student as a diffusers model folder (config.json + safetensors) at `out_dir`.
 
@@ -849,6 +855,8 @@ def export_student(model: nn.Module, out_dir: str | Path) -> Path:
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    # mkdtemp creates 0700; the export must be readable like any other folder the user writes.
+    staging.chmod(0o777 & ~_umask())
     try:
         model.save_pretrained(staging, safe_serialization=True)
         _fsync_tree(staging)

@@ -46,6 +46,9 @@ def train_args(teacher: Path, output_dir: Path, cache_dir: Path, **overrides: ob
         "log_every": 1,
         "checkpoint_every": 0,
         "seed": 0,
+        # CPU and gloo even on a GPU node: results then match bit for bit and need no GPU per rank.
+        "device": "cpu",
+        "backend": "gloo",
     }
     settings.update(overrides)
     args: list[str] = []
