@@ -11,8 +11,10 @@ exit code.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,6 +35,7 @@ def workdir() -> Path:
     from distill.tiny import write_tiny_teacher
 
     root = Path(tempfile.mkdtemp(prefix="distill-errors-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     write_tiny_teacher(root / "teacher", seed=0)
     return root
 
