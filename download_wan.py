@@ -12,6 +12,10 @@ or write a tiny random teacher for tests and offline demos.
     python download_wan.py --verify models/Wan2.2-T2V-A14B-Diffusers
     # A tiny random teacher in the same layout (a second, no network):
     python download_wan.py --tiny outputs/tiny_teacher --seed 0
+    # ... or in the ORIGINAL Wan layout (high_noise_model/, low_noise_model/, *.pth):
+    python download_wan.py --tiny outputs/tiny_teacher_original --layout original
+    # Convert an ORIGINAL Wan2.2-T2V-A14B download to the diffusers layout once:
+    python download_wan.py --convert models/Wan2.2-T2V-A14B models/Wan2.2-T2V-A14B-Diffusers
 
 An interrupted download resumes where it stopped: run the same command again
 (huggingface_hub's snapshot_download skips finished files and continues partial ones).
@@ -92,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.tiny is not None:
-            return write_tiny(Path(args.tiny), args.seed or 0, args.overwrite)
+            return write_tiny(Path(args.tiny), args.seed or 0, args.overwrite, args.layout or "diffusers")
+        if args.convert is not None:
+            return convert(Path(args.convert[0]), Path(args.convert[1]))
         if args.verify is not None:
             return verify(Path(args.verify))
         return download(args)
@@ -109,6 +115,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--tiny", metavar="DIR", help="write a tiny random teacher to DIR (no network)")
     mode.add_argument("--verify", metavar="DIR", help="check that DIR holds a complete diffusers teacher")
+    mode.add_argument(
+        "--convert",
+        nargs=2,
+        metavar=("SRC", "DST"),
+        help="convert the ORIGINAL Wan layout in SRC to the diffusers layout in DST (no network)",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--preset",
@@ -122,6 +134,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--token", help="Hub access token (default: $HF_TOKEN, then `hf auth login`)")
     parser.add_argument("--seed", type=int, help="with --tiny: seed of the random weights (default: 0)")
     parser.add_argument("--overwrite", action="store_true", help="with --tiny: replace a non-empty DIR")
+    parser.add_argument(
+        "--layout",
+        choices=("diffusers", "original"),
+        help="with --tiny: the on-disk layout (default: diffusers; original = Wan's own release layout)",
+    )
     args = parser.parse_args(argv)
     _reject_stray_options(parser, args)
     return args
@@ -140,11 +157,12 @@ def _reject_stray_options(parser: argparse.ArgumentParser, args: argparse.Namesp
         )
         if value is not None
     ]
-    local_mode = "--tiny" if args.tiny is not None else "--verify" if args.verify is not None else None
+    modes = {"--tiny": args.tiny, "--verify": args.verify, "--convert": args.convert}
+    local_mode = next((flag for flag, value in modes.items() if value is not None), None)
     if local_mode and download_opts:
         parser.error(f"{', '.join(download_opts)} cannot be combined with {local_mode}")
-    if args.tiny is None and (args.overwrite or args.seed is not None):
-        parser.error("--seed and --overwrite only apply to --tiny")
+    if args.tiny is None and (args.overwrite or args.seed is not None or args.layout is not None):
+        parser.error("--seed, --overwrite and --layout only apply to --tiny")
 
 
 # --- download -------------------------------------------------------------------------------
@@ -349,6 +367,8 @@ def verify(folder: Path) -> int:
             fixes=[
                 "Resume the download: python download_wan.py --local_dir " + str(folder),
                 "Or copy the missing parts from a complete copy, then run --verify again.",
+                f"An ORIGINAL layout folder converts with: python download_wan.py --convert {folder} "
+                f"{folder}-Diffusers",
             ],
             stage=Stage.TEACHER_LOAD,
         )
@@ -429,23 +449,51 @@ def _problem_details(folder: Path, problems: list[str]) -> str:
 # --- tiny -----------------------------------------------------------------------------------
 
 
-def write_tiny(out_dir: Path, seed: int, overwrite: bool) -> int:
-    """Write the tiny random teacher and say what it holds."""
-    from distill.tiny import TinyTeacherShape, write_tiny_teacher  # imports torch and diffusers
+def write_tiny(out_dir: Path, seed: int, overwrite: bool, layout: str = "diffusers") -> int:
+    """Write the tiny random teacher (diffusers or original layout) and say what it holds."""
+    # imports torch and diffusers
+    from distill.tiny import (
+        ORIGINAL_LAYOUT_SHAPE,
+        TinyTeacherShape,
+        write_tiny_original_teacher,
+        write_tiny_teacher,
+    )
 
-    shape = TinyTeacherShape()
-    path = write_tiny_teacher(out_dir, seed=seed, shape=shape, overwrite=overwrite)
+    if layout == "original":
+        shape = ORIGINAL_LAYOUT_SHAPE
+        path = write_tiny_original_teacher(out_dir, seed=seed, shape=shape, overwrite=overwrite)
+    else:
+        shape = TinyTeacherShape()
+        path = write_tiny_teacher(out_dir, seed=seed, shape=shape, overwrite=overwrite)
     total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    print(f"Wrote a tiny random Wan 2.2 T2V A14B teacher (seed {seed}) to {path} ({total / 1024:.0f} KiB):")
+    print(
+        f"Wrote a tiny random Wan 2.2 T2V A14B teacher (seed {seed}, {layout} layout) to {path} "
+        f"({total / 1024:.0f} KiB):"
+    )
     for entry in present_entries(path):
         files = sorted(p.name for p in (path / entry).iterdir()) if entry.endswith("/") else []
         print(f"  {entry:<18} {' '.join(files)}")
     print(
         f"  experts: {shape.num_layers} layers, {shape.num_attention_heads} heads x {shape.attention_head_dim}, "
         f"text_dim {shape.text_dim}, boundary_ratio {shape.boundary_ratio} "
-        "(transformer/ = high noise, transformer_2/ = low noise)"
+        + (
+            "(high_noise_model/ = high noise, low_noise_model/ = low noise)"
+            if layout == "original"
+            else "(transformer/ = high noise, transformer_2/ = low noise)"
+        )
     )
     return 0
+
+
+# --- convert --------------------------------------------------------------------------------
+
+
+def convert(src: Path, dst: Path) -> int:
+    """Write the diffusers layout of an ORIGINAL Wan 2.2 folder, then check it like --verify."""
+    from distill.original_layout import convert_original  # imports torch and diffusers lazily
+
+    convert_original(src, dst)
+    return verify(dst)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,11 @@ class TrainConfig:
     resume: str = _opt(
         "auto", "auto (newest checkpoint in output_dir, if any), none, or a checkpoint folder."
     )
+    export_formats: str = _opt(
+        "diffusers",
+        "Comma-separated student export formats: diffusers (student/, always written) and original "
+        "(also student_original.safetensors with Wan's own key names, for Wan's code and ComfyUI).",
+    )
     force_resume: bool = _opt(
         False, "Resume even if the checkpoint was made with another student config, teacher or prompts."
     )
@@ -207,6 +212,13 @@ class TrainConfig:
                 raise _config_error(
                     name, f"must be a positive integer, got {value}", f"set --{name} to 1 or more"
                 )
+        unknown_formats = set(self.export_formats.split(",")) - {"diffusers", "original"}
+        if unknown_formats:
+            raise _config_error(
+                "export_formats",
+                f"has unknown format(s) {', '.join(sorted(unknown_formats))}",
+                "use --export_formats diffusers or --export_formats diffusers,original",
+            )
         if self.dist_timeout <= 0:
             raise _config_error("dist_timeout", "must be positive (minutes)", "try --dist_timeout 60")
         for name in (

@@ -23,6 +23,9 @@ ORIGINAL_COMPONENTS = (
     "high_noise_model/",
     "low_noise_model/",
 )
+# Converting the original layout also needs its tokenizer folder (configuration.json is optional:
+# Wan's code never reads it). Kept apart from ORIGINAL_COMPONENTS, which identifies the layout.
+ORIGINAL_REQUIRED = (*ORIGINAL_COMPONENTS, "google/umt5-xxl/")
 
 
 def missing_components(folder: str | Path, expected: tuple[str, ...] = DIFFUSERS_COMPONENTS) -> list[str]:

@@ -22,6 +22,7 @@ import torch
 from distill.errors import DistillError, Stage
 from distill.layout import DIFFUSERS_COMPONENTS, ORIGINAL_COMPONENTS, missing_components, present_entries
 from distill.objective import apply_guidance, high_noise_mask
+from distill.original_layout import ensure_converted, looks_original
 
 logger = logging.getLogger(__name__)
 
@@ -181,20 +182,20 @@ class TeacherInfo:
         return digest.hexdigest()[:16]
 
 
-def inspect_teacher(path_or_id: str, boundary_ratio: float | None = None) -> TeacherInfo:
-    """Resolve the teacher and read its layout, refusing anything that is not a complete Wan 2.2 T2V teacher."""
+def inspect_teacher(
+    path_or_id: str, boundary_ratio: float | None = None, convert_dir: str | Path | None = None
+) -> TeacherInfo:
+    """Resolve the teacher and read its layout, refusing anything that is not a complete Wan 2.2 T2V teacher.
+
+    A folder in the ORIGINAL Wan layout is converted once to the diffusers layout under
+    `convert_dir` (default: $WAN_DISTILL_CONVERT_DIR or ~/.cache/wan-distill/converted) and the
+    returned info points at that copy, so every later stage reads the diffusers layout.
+    """
     path = resolve_teacher_path(path_or_id)
+    if looks_original(path):
+        path = ensure_converted(path, convert_dir)
     missing = missing_components(path)
     if missing:
-        if not missing_components(path, ORIGINAL_COMPONENTS):
-            raise DistillError(
-                f"{path} holds the ORIGINAL Wan layout, which this version cannot load directly",
-                "Only the diffusers layout (Wan-AI/Wan2.2-T2V-A14B-Diffusers) is supported for now.",
-                fixes=[
-                    "python download_wan.py --local_dir models/Wan2.2-T2V-A14B-Diffusers   # the diffusers layout"
-                ],
-                stage=Stage.TEACHER_LOAD,
-            )
         raise _layout_error(str(path), f"the teacher folder is incomplete: missing {', '.join(missing)}")
     index = _read_json(path / "model_index.json")
     ratio = boundary_ratio if boundary_ratio is not None else index.get("boundary_ratio")

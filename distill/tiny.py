@@ -7,8 +7,9 @@ about a second on a CPU with no network. Every component is the real class with 
 the pipeline's own `save_pretrained` writes the folder, so the layout cannot drift from what
 diffusers expects.
 
-    from distill.tiny import write_tiny_teacher
+    from distill.tiny import write_tiny_original_teacher, write_tiny_teacher
     write_tiny_teacher("outputs/tiny_teacher", seed=0)
+    write_tiny_original_teacher("outputs/tiny_teacher_original", seed=0)   # the original Wan layout
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
 
 from distill.errors import DistillError, Stage
-from distill.layout import DIFFUSERS_COMPONENTS, missing_components, present_entries
+from distill.layout import DIFFUSERS_COMPONENTS, ORIGINAL_COMPONENTS, missing_components, present_entries
 
 # A folder this small cannot be a real teacher (the A14B one is ~120 GB, even Wan 2.1 1.3B is
 # several GB), so it is safe to replace without `overwrite=True`.
@@ -106,6 +107,19 @@ class TinyTeacherShape:
     """Width of the sinusoidal timestep embedding (real: 256)."""
     boundary_ratio: float = 0.875
     """`transformer` (high noise) runs while t >= boundary_ratio * 1000, `transformer_2` below."""
+    vae_dim_mult: tuple[int, ...] = (1, 1, 1, 1)
+    """VAE width multipliers per stage (real: 1, 2, 4, 4; ORIGINAL_LAYOUT_SHAPE uses those)."""
+    vae_num_res_blocks: int = 1
+    """Residual blocks per VAE stage (real: 2)."""
+    text_relative_max_distance: int = 32
+    """UMT5 relative-attention max distance (real: 128, which Wan's own T5 code hard-codes)."""
+
+
+# The original layout can only express the real structure: diffusers' VAE converter hard-codes
+# the real block indices and Wan's T5 code its max distance. Same widths, so still tiny.
+ORIGINAL_LAYOUT_SHAPE = TinyTeacherShape(
+    vae_dim_mult=(1, 2, 4, 4), vae_num_res_blocks=2, text_relative_max_distance=128
+)
 
 
 def write_tiny_teacher(
@@ -138,13 +152,41 @@ def write_tiny_teacher(
     return out_dir
 
 
+def write_tiny_original_teacher(
+    out_dir: str | Path,
+    seed: int = 0,
+    shape: TinyTeacherShape = ORIGINAL_LAYOUT_SHAPE,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write the same tiny teacher as `write_tiny_teacher(out_dir, seed, shape)` in the ORIGINAL
+    Wan layout (models_t5_umt5-xxl-enc-bf16.pth, google/umt5-xxl/, Wan2.1_VAE.pth,
+    high_noise_model/, low_noise_model/). Weights stay float32 whatever the file names say, so a
+    conversion can be compared exactly with the diffusers-layout teacher of the same seed and shape.
+    """
+    from distill.original_layout import save_original_layout
+
+    out_dir = Path(out_dir).expanduser().absolute()
+    _check_destination(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        save_original_layout(build_tiny_pipeline(seed, shape), staging, shape.boundary_ratio)
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
 def build_tiny_pipeline(seed: int = 0, shape: TinyTeacherShape = TinyTeacherShape()) -> WanPipeline:  # noqa: B008
     """The tiny teacher as an in-memory `WanPipeline` (what `write_tiny_teacher` saves)."""
     tokenizer = build_tiny_tokenizer()
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=_seeded(seed, "text_encoder", lambda: _build_text_encoder(len(tokenizer), shape)),
-        vae=_seeded(seed, "vae", _build_vae),
+        vae=_seeded(seed, "vae", lambda: _build_vae(shape)),
         scheduler=UniPCMultistepScheduler(
             prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
         ),
@@ -175,9 +217,9 @@ def build_tiny_tokenizer() -> T5TokenizerFast:
 
 
 def is_tiny_teacher(folder: str | Path) -> bool:
-    """Whether `folder` holds a complete diffusers teacher small enough to be a tiny one."""
+    """Whether `folder` holds a complete teacher (either layout) small enough to be a tiny one."""
     folder = Path(folder)
-    if missing_components(folder, DIFFUSERS_COMPONENTS):
+    if missing_components(folder, DIFFUSERS_COMPONENTS) and missing_components(folder, ORIGINAL_COMPONENTS):
         return False
     total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     return total <= _TINY_MAX_BYTES
@@ -257,7 +299,7 @@ def _build_text_encoder(vocab_size: int, shape: TinyTeacherShape) -> UMT5Encoder
         num_decoder_layers=2,
         num_heads=4,
         relative_attention_num_buckets=8,
-        relative_attention_max_distance=32,
+        relative_attention_max_distance=shape.text_relative_max_distance,
         feed_forward_proj="gated-gelu",
         pad_token_id=0,
         eos_token_id=1,
@@ -266,13 +308,13 @@ def _build_text_encoder(vocab_size: int, shape: TinyTeacherShape) -> UMT5Encoder
     return UMT5EncoderModel(config)
 
 
-def _build_vae() -> AutoencoderKLWan:
+def _build_vae(shape: TinyTeacherShape) -> AutoencoderKLWan:
     # 16 latent channels and strides 4 (time) / 8 (space), like the real Wan VAE.
     return AutoencoderKLWan(
         base_dim=3,
         z_dim=16,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
+        dim_mult=list(shape.vae_dim_mult),
+        num_res_blocks=shape.vae_num_res_blocks,
         temperal_downsample=[False, True, True],
     )
 

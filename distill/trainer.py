@@ -32,6 +32,7 @@ from distill.errors import DistillError, Progress, Stage
 from distill.faults import FaultInjector
 from distill.monitor import SampleMonitor, SampleSettings
 from distill.objective import add_noise, high_noise_mask, per_sample_mse, sample_sigmas, sigmas_to_timesteps
+from distill.original_layout import export_original
 from distill.plan import choose_placement, memory_plan
 from distill.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
 from distill.student import (
@@ -132,7 +133,10 @@ class Distiller:
         self.ctx = ctx if ctx is not None else dist_utils.setup("auto", cfg.device)
         self.device = self.ctx.device
         self.is_main = self.ctx.is_main
-        self.info = inspect_teacher(cfg.teacher_path, cfg.boundary_ratio)
+        # An original-layout teacher is converted once, next to the run's cache (storage all ranks share).
+        self.info = inspect_teacher(
+            cfg.teacher_path, cfg.boundary_ratio, convert_dir=cfg.resolved_cache_dir / "teacher"
+        )
         # Refuse a student that cannot work with this teacher before loading anything heavy.
         self.student_config = load_student_config(cfg.student_config, self.info.expert_config)
         check_resolution(cfg, self.info)
@@ -810,12 +814,17 @@ class TrainingLoop:
         if self.ctx.is_main:
             student = unwrap_model(self.student)
             student_dir = export_student(student, self.output_dir / "student")
+            original = "original" in self.cfg.export_formats.split(",")
+            if original:
+                export_original(student_dir, self.output_dir / "student_original.safetensors")
             if self.ema is not None:
                 params = list(student.parameters())
                 self.ema.store(params)
                 self.ema.copy_to(params)
                 try:
                     ema_dir = export_student(student, self.output_dir / "student_ema")
+                    if original:
+                        export_original(ema_dir, self.output_dir / "student_ema_original.safetensors")
                 finally:
                     self.ema.restore(params)
             self._write_pipeline_folder(ema_dir or student_dir)
