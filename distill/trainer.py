@@ -384,6 +384,9 @@ class Distiller:
         loop.train(result)
         if result.stopped_by_signal is None:
             result.student_dir, result.ema_dir = loop.export()
+        # No rank leaves before rank 0 has finished writing: under torchrun the first rank to exit
+        # with a non-zero code (75 after a preemption) makes the agent stop the others.
+        dist_utils.barrier()
         return result
 
 

@@ -38,8 +38,9 @@ def check_result(result: dict, settings: bench.BenchSettings) -> None:
         _positive_summary(summary, ("median_ms", "p10_ms", "p90_ms"))
         assert summary["steps_per_s"] == pytest.approx(1e3 / summary["median_ms"])
         assert summary["samples_per_s"] == pytest.approx(settings.batch_size * summary["steps_per_s"])
-    # The trainer does at least what the bare loop does; allow for timing noise on a shared machine.
-    assert result["overhead_ratio"] > 0.8
+    # No bound on speed here (a busy machine can make either loop slower): only that the ratio is
+    # a real, finite quotient of the two medians. The bench prints the number; people judge it.
+    assert 0 < result["overhead_ratio"] < float("inf")
     assert result["overhead_ratio"] == pytest.approx(
         result["trainer"]["median_ms"] / result["bare"]["median_ms"]
     )
