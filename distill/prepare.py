@@ -137,21 +137,10 @@ def fill_latent_cache(
         todo += [None] * (calls - len(todo))
     if not todo:
         return 0
-    from diffusers import UniPCMultistepScheduler, WanPipeline
-
     from distill.data import pad_embedding
+    from distill.sampling import load_scheduler, teacher_pipeline
 
-    scheduler = UniPCMultistepScheduler.from_pretrained(info.path, subfolder="scheduler")
-    pipe = WanPipeline(
-        tokenizer=None,
-        text_encoder=None,
-        vae=None,
-        scheduler=scheduler,
-        transformer=high,
-        transformer_2=low,
-        boundary_ratio=info.boundary_ratio,
-    )
-    pipe.set_progress_bar_config(disable=True)
+    pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path))
     dtype = high.dtype  # the model's compute dtype (diffusers keeps some parameters in float32)
     negative_embeds = pad_embedding(negative, cfg.max_sequence_length)[None].to(device, dtype)
     logger.info(

@@ -147,6 +147,7 @@ class Distiller:
             cfg, self.info, self.student_config, self.device, self.ctx.world_size
         )
         self.early_student: torch.nn.Module | None = None
+        self._identity: dict[str, Any] | None = None
         # Reads the sample/eval prompt files now, so a bad path fails before anything heavy loads.
         settings = SampleSettings.from_config(cfg)
         settings.validate()
@@ -310,13 +311,19 @@ class Distiller:
         return student.to(self.device).train()
 
     def identity(self) -> dict[str, Any]:
-        """What a checkpoint must agree with to be resumed by this run."""
+        """What a checkpoint must agree with to be resumed by this run (computed once: every save
+        stores it, and the teacher fingerprint reads the weight files)."""
+        if self._identity is not None:
+            return self._identity
         identity = {
             "student_config": self.student_config,
             "teacher": self.info.fingerprint("transformer", "transformer_2"),
             "prompts": hashlib.sha256("\n".join(self.prompts).encode()).hexdigest()[:16],
         }
-        return json.loads(json.dumps(identity))  # as it reads back from meta.json (tuples become lists)
+        self._identity = json.loads(
+            json.dumps(identity)
+        )  # as it reads back from meta.json (tuples become lists)
+        return self._identity
 
     def check_checkpoint(self, path: Path, meta: dict[str, Any]) -> None:
         """Refuse to resume a checkpoint made for another student, teacher or prompt set (unless forced)."""
