@@ -477,11 +477,10 @@ class TrainerSteps:
     def __init__(self, loop: Any) -> None:
         self.loop = loop
         self.batches = iter(loop.make_loader())
-        self.step_sums = torch.zeros(5, device=loop.device)
         self.skipped = 0
 
     def step(self) -> None:
-        _, stepped, _ = self.loop.train_step(self.batches, self.step_sums)
+        _, stepped, _ = self.loop.train_step(self.batches)
         self.skipped += not stepped
 
 

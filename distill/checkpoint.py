@@ -1,6 +1,7 @@
 """Checkpoints that survive crashes: written aside, flushed, marked complete, then renamed into place.
 
-Layout: `<output_dir>/checkpoints/step_00000120/` holding `student.safetensors`, `state.pt`
+Layout: `<output_dir>/checkpoints/step_00000120/` holding `student.safetensors` (and one
+`<name>.safetensors` per other trained model, e.g. `critic.safetensors`), `state.pt`
 (optimizer, LR schedule, grad scaler, EMA, RNG states) and `meta.json` (step, samples seen,
 run identity), and a `COMPLETE` marker written last. A folder without the marker is a crashed
 save and is never resumed from; older checkpoints are pruned only after a newer one is complete.
@@ -13,7 +14,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,9 @@ class Checkpoint:
     model: dict[str, torch.Tensor]
     state: dict[str, Any]
     meta: dict[str, Any]
+    models: dict[str, dict[str, torch.Tensor]] = field(
+        default_factory=dict
+    )  # trained models besides the student
 
     @property
     def step(self) -> int:
@@ -62,8 +66,12 @@ def save_checkpoint(
     state: dict[str, Any],
     meta: dict[str, Any],
     keep_last: int,
+    extra_models: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write a complete checkpoint for `step`, then prune all but the newest `keep_last`."""
+    """Write a complete checkpoint for `step`, then prune all but the newest `keep_last`.
+
+    `extra_models` (e.g. a critic) are written beside the student as `<name>.safetensors`.
+    """
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     try:
@@ -73,6 +81,11 @@ def save_checkpoint(
         save_file(
             {k: v.detach().contiguous().cpu() for k, v in model.items()}, str(tmp / "student.safetensors")
         )
+        for name, weights in (extra_models or {}).items():
+            save_file(
+                {k: v.detach().contiguous().cpu() for k, v in weights.items()},
+                str(tmp / f"{name}.safetensors"),
+            )
         torch.save(state, tmp / "state.pt")
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=2, sort_keys=True))
         (tmp / MARKER).write_text("ok\n")  # last: its presence means every file above is whole
@@ -126,7 +139,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
     model = load_file(str(path / "student.safetensors"))
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     meta = json.loads((path / "meta.json").read_text())
-    return Checkpoint(path, model, state, meta)
+    others = {f.stem: load_file(str(f)) for f in sorted(path.glob("*.safetensors")) if f.stem != "student"}
+    return Checkpoint(path, model, state, meta, others)
 
 
 def load_latest(root: Path) -> Checkpoint | None:

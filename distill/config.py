@@ -83,6 +83,39 @@ class TrainConfig:
     )
     gradient_checkpointing: bool = _opt(False, "Recompute student activations in backward to save memory.")
 
+    # --- method ------------------------------------------------------------------------------
+    method: str = _opt(
+        "velocity",
+        "velocity: regress onto the guided teacher's velocity (a smaller student, the teacher's step count); "
+        "dmd: distribution matching into a --student_steps generator (start it from a velocity student).",
+        ("velocity", "dmd"),
+    )
+    student_steps: int = _opt(4, "dmd: sampling steps of the student (exported with its scheduler).")
+    student_shift: float = _opt(
+        5.0,
+        "dmd: shift of the student's flow-match step grid (set_timesteps(K)); 5 puts 2 of 4 steps on each "
+        "side of the A14B boundary 0.875.",
+    )
+    critic_config: str | None = _opt(
+        None, "dmd: JSON of WanTransformer3DModel keys for the critic (default: the student's config)."
+    )
+    critic_init: str | None = _opt(
+        None, "dmd: random, teacher or a pretrained folder for the critic (default: like the student)."
+    )
+    critic_updates: int = _opt(5, "dmd: critic updates per generator update.")
+    critic_lr: float | None = _opt(None, "dmd: peak learning rate of the critic's AdamW (default: --lr).")
+    critic_betas: str = _opt("0,0.999", "dmd: AdamW betas of the critic, as 'beta1,beta2'.")
+    dmd_inputs: str = _opt(
+        "simulate",
+        "dmd: the generator's inputs: simulate (its own rollout from noise to a random step) or data "
+        "(the teacher's cached latents noised to one of the student's timesteps).",
+        ("simulate", "data"),
+    )
+    regression_weight: float = _opt(
+        0.0,
+        "dmd: weight of an MSE term pulling the student's first step onto the teacher's (noise -> x0) pairs.",
+    )
+
     # --- clean latents ----------------------------------------------------------------------
     height: int = _opt(480, "Training (and sampling) height in pixels; a multiple of 8 x the patch size.")
     width: int = _opt(832, "Training width in pixels; a multiple of 8 x the patch size.")
@@ -205,6 +238,8 @@ class TrainConfig:
             "sample_steps",
             "eval_num_buckets",
             "eval_samples_per_bucket",
+            "student_steps",
+            "critic_updates",
         ]
         for name in positive + ["num_steps", "num_epochs", "max_prompts", "plan_world_size"]:
             value = getattr(self, name)
@@ -255,6 +290,7 @@ class TrainConfig:
             raise _config_error(
                 "ema_decay", f"must lie in [0, 1), got {self.ema_decay}", "try --ema_decay 0.999"
             )
+        self._validate_method()
         if self.max_grad_norm < 0:
             raise _config_error("max_grad_norm", "must be 0 (off) or positive", "try --max_grad_norm 1.0")
         if self.flow_shift is not None and self.flow_shift <= 0:
@@ -267,6 +303,37 @@ class TrainConfig:
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise _config_error("device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
+
+    def _validate_method(self) -> None:
+        if self.method != "dmd":
+            return
+        try:
+            betas = self.critic_betas_tuple
+        except ValueError:
+            betas = (-1.0, -1.0)
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise _config_error(
+                "critic_betas",
+                f"must be two numbers in [0, 1) like 0,0.999, got {self.critic_betas!r}",
+                "try --critic_betas 0,0.999",
+            )
+        if self.critic_lr is not None and self.critic_lr <= 0:
+            raise _config_error(
+                "critic_lr", f"must be positive, got {self.critic_lr}", "try --critic_lr 2e-6"
+            )
+        if self.student_shift <= 0:
+            raise _config_error(
+                "student_shift", f"must be positive, got {self.student_shift}", "try --student_shift 5"
+            )
+        if self.regression_weight < 0:
+            raise _config_error(
+                "regression_weight", "must be 0 (off) or positive", "try --regression_weight 0.25"
+            )
+
+    @property
+    def critic_betas_tuple(self) -> tuple[float, float]:
+        first, second = (float(v) for v in self.critic_betas.split(","))
+        return first, second
 
     def _resolve_placement_aliases(self) -> None:
         """Fold --teacher_on_cpu and the origin --teacher_device_strategy into --teacher_placement."""

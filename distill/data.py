@@ -193,22 +193,45 @@ class DistillationDataset(torch.utils.data.Dataset):
     """Clean latent x0 and zero-padded prompt embedding of each training prompt, read from the caches."""
 
     def __init__(
-        self, prompts: Sequence[str], latents: TensorCache, embeddings: TensorCache, max_length: int
+        self,
+        prompts: Sequence[str],
+        latents: TensorCache,
+        embeddings: TensorCache,
+        max_length: int,
+        noise_for: Callable[[str], torch.Tensor] | None = None,
     ) -> None:
         self.prompts = list(prompts)
         self.latents, self.embeddings = latents, embeddings
         self.max_length = max_length
+        # With it, items also carry the initial noise the teacher sampled x0 from (its noise -> x0 pair).
+        self.noise_for = noise_for
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         prompt = self.prompts[index]
-        return {
+        item = {
             "x0": self.latents.get(prompt),
             "cond": pad_embedding(self.embeddings.get(prompt), self.max_length),
             "index": torch.tensor(index),
         }
+        if self.noise_for is not None:
+            item["noise"] = self.noise_for(prompt)
+        return item
+
+    def clean_latent_statistics(self, limit: int = 256) -> tuple[float, float]:
+        """Mean and std over every element of the first `limit` cached clean latents (the teacher's)."""
+        total = squares = count = 0.0
+        for prompt in self.prompts[:limit]:
+            x0 = self.latents.get(prompt).double()
+            total, squares, count = (
+                total + x0.sum().item(),
+                squares + x0.pow(2).sum().item(),
+                count + x0.numel(),
+            )
+        mean = total / count
+        return mean, max(squares / count - mean * mean, 0.0) ** 0.5
 
 
 def pad_embedding(embedding: torch.Tensor, max_length: int) -> torch.Tensor:

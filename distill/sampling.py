@@ -338,7 +338,9 @@ def first_frames(files: Sequence[Path]) -> list[np.ndarray]:
 # ---------------------------------------------------------------------------------------------
 
 
-def write_pipeline_folder(output_dir: str | Path, teacher_path: str | Path, student_dir: str | Path) -> Path:
+def write_pipeline_folder(
+    output_dir: str | Path, teacher_path: str | Path, student_dir: str | Path, scheduler: Any = None
+) -> Path:
     """Write `<output_dir>/pipeline/` so `WanPipeline.from_pretrained(<output_dir>/pipeline)` loads the student.
 
     The folder holds a model_index.json (the teacher's, with `transformer_2` and `boundary_ratio`
@@ -346,6 +348,7 @@ def write_pipeline_folder(output_dir: str | Path, teacher_path: str | Path, stud
     can be moved), and text_encoder / tokenizer / vae / scheduler -> the teacher's folders
     (absolute), so nothing of the teacher is copied. diffusers follows the links like folders.
     It stops working if the teacher folder moves; `distill.generate` keeps working then.
+    A few-step student passes its own `scheduler`, written into the folder instead of the teacher's.
     """
     output_dir, student_dir = Path(output_dir), Path(student_dir)
     teacher = Path(teacher_path).resolve()
@@ -357,12 +360,16 @@ def write_pipeline_folder(output_dir: str | Path, teacher_path: str | Path, stud
     _remove(staging)
     staging.mkdir(parents=True)
     try:
-        (staging / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         for name in SHARED_COMPONENTS:
+            if name == "scheduler" and scheduler is not None:
+                scheduler.save_pretrained(staging / name)
+                index["scheduler"] = ["diffusers", type(scheduler).__name__]
+                continue
             os.symlink(teacher / name, staging / name, target_is_directory=True)
         # Relative to where the link will live once the folder is renamed into place.
         target = os.path.relpath(student_dir.resolve(), output_dir.resolve() / "pipeline")
         os.symlink(target, staging / "transformer", target_is_directory=True)
+        (staging / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     except OSError as exc:
         _remove(staging)
         raise DistillError(

@@ -95,7 +95,9 @@ class Tracker:
         record = {"step": step, **metrics}
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
-        self.bar.set_postfix(loss=f"{metrics['loss']:.4g}", lr=f"{metrics['lr']:.2e}", refresh=False)
+        # A dmd step without a generator update has only the critic's numbers.
+        shown = {k: f"{metrics[k]:.4g}" for k in ("loss", "critic_loss") if k in metrics}
+        self.bar.set_postfix(shown, lr=f"{metrics.get('lr', metrics.get('critic_lr', 0.0)):.2e}", refresh=False)
         if self.run is not None:
             try:
                 self.run.log(metrics, step=step)

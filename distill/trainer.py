@@ -30,8 +30,9 @@ from distill.data import DistillationDataset, ResumableSampler, TensorCache, rea
 from distill.distributed import DistContext
 from distill.errors import DistillError, Progress, Stage
 from distill.faults import FaultInjector
+from distill.methods import method_class
+from distill.methods.base import BatchRandomness, MethodEnv
 from distill.monitor import SampleMonitor, SampleSettings
-from distill.objective import add_noise, high_noise_mask, per_sample_mse, sample_sigmas, sigmas_to_timesteps
 from distill.original_layout import export_original
 from distill.plan import choose_placement, memory_plan
 from distill.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
@@ -146,7 +147,9 @@ class Distiller:
         self.placement, self.placement_reason = choose_placement(
             cfg, self.info, self.student_config, self.device, self.ctx.world_size
         )
-        self.early_student: torch.nn.Module | None = None
+        # Refuse a bad critic config (dmd) before anything heavy, too.
+        self.model_specs = self.resolve_model_specs()
+        self.early_models: dict[str, torch.nn.Module] = {}
         self._identity: dict[str, Any] | None = None
         # Reads the sample/eval prompt files now, so a bad path fails before anything heavy loads.
         settings = SampleSettings.from_config(cfg)
@@ -277,10 +280,11 @@ class Distiller:
                     logger.warning("loading the teacher experts (wave %d of %d)", wave + 1, waves)
                 high = load_expert(self.info, "transformer", self.teacher_dtype)
                 low = load_expert(self.info, "transformer_2", self.teacher_dtype)
-                if cfg.student_init == "teacher":  # before placement: a sharded expert has no whole tensors
-                    self.early_student = self.init_from_teacher(
-                        high if cfg.student_init_expert == "high" else low
-                    )
+                for name, (config, init) in self.model_specs.items():
+                    if init == "teacher":  # before placement: a sharded expert has no whole tensors
+                        self.early_models[name] = self.init_from_teacher(
+                            config, high if cfg.student_init_expert == "high" else low, name
+                        )
                 shard_over = self.ctx.world_size if self.placement == "shard" else 0
                 on_cpu = self.placement == "cpu"
                 experts = (
@@ -292,23 +296,64 @@ class Distiller:
         assert experts is not None
         return experts
 
-    def init_from_teacher(self, expert: torch.nn.Module) -> torch.nn.Module:
-        student = build_student(self.student_config, seed=self.cfg.seed)
-        report = init_student_from_teacher(student, expert)
-        logger.info("student initialised from the %s-noise expert: %s", self.cfg.student_init_expert, report)
-        return student
+    def init_from_teacher(
+        self, config: dict[str, Any], expert: torch.nn.Module, name: str = "student"
+    ) -> torch.nn.Module:
+        model = build_student(config, seed=self.cfg.seed)
+        report = init_student_from_teacher(model, expert)
+        logger.info("%s initialised from the %s-noise expert: %s", name, self.cfg.student_init_expert, report)
+        return model
+
+    def resolve_model_specs(self) -> dict[str, tuple[dict[str, Any], str]]:
+        """(config, init) of every trained model: the student, and what the method adds (dmd: a critic,
+        by default the student's shape, initialised like the student)."""
+        cfg = self.cfg
+        specs = {"student": (self.student_config, cfg.student_init)}
+        for name, (config_path, init) in method_class(cfg.method).extra_models(cfg).items():
+            config = (
+                load_student_config(config_path, self.info.expert_config)
+                if config_path
+                else self.student_config
+            )
+            specs[name] = (config, init or cfg.student_init)
+        return specs
+
+    def make_model(self, name: str = "student") -> torch.nn.Module:
+        cfg = self.cfg
+        config, init = self.model_specs[name]
+        if init == "teacher":
+            model = self.early_models.pop(name)
+        elif init == "random":
+            model = build_student(config, seed=cfg.seed)
+        else:
+            model = load_pretrained_student(init, self.info.expert_config)
+            shape_keys = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")
+            loaded = {k: model.config.get(k) for k in shape_keys}
+            wanted = {k: config.get(k) for k in shape_keys}
+            if loaded != wanted:
+                flag = "--student_init" if name == "student" else f"--{name}_init"
+                raise DistillError(
+                    f"{flag} {init} has another shape than the {name} config",
+                    f"{init}: {loaded}\nconfig: {wanted}",
+                    fixes=[f"pass a {name} config matching {init}, or another {flag}"],
+                    stage=Stage.CONFIG,
+                )
+        if cfg.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        return model.to(self.device).train()
 
     def make_student(self) -> torch.nn.Module:
-        cfg = self.cfg
-        if cfg.student_init == "teacher":
-            student = self.early_student
-        elif cfg.student_init == "random":
-            student = build_student(self.student_config, seed=cfg.seed)
-        else:
-            student = load_pretrained_student(cfg.student_init, self.info.expert_config)
-        if cfg.gradient_checkpointing:
-            student.enable_gradient_checkpointing()
-        return student.to(self.device).train()
+        return self.make_model("student")
+
+    def teacher_noise_for_regression(self) -> Any:
+        """prompt -> the initial noise the teacher sampled its cached clean latent from (dmd regression)."""
+        if self.cfg.method != "dmd" or not self.cfg.regression_weight:
+            return None
+        from distill.prepare import prompt_seed
+        from distill.sampling import initial_noise
+
+        shape = self.info.latent_shape(self.cfg.height, self.cfg.width, self.cfg.num_frames)
+        return lambda prompt: initial_noise(shape, prompt_seed(self.cfg.seed, prompt))[0]
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must agree with to be resumed by this run (computed once: every save
@@ -319,6 +364,8 @@ class Distiller:
             "student_config": self.student_config,
             "teacher": self.info.fingerprint("transformer", "transformer_2"),
             "prompts": hashlib.sha256("\n".join(self.prompts).encode()).hexdigest()[:16],
+            "method": self.cfg.method,
+            **method_class(self.cfg.method).identity(self.cfg),
         }
         self._identity = json.loads(
             json.dumps(identity)
@@ -330,6 +377,8 @@ class Distiller:
         expected = self.identity()
         for key, value in expected.items():
             saved = meta.get("identity", {}).get(key)
+            if key == "method" and saved is None:
+                saved = "velocity"  # checkpoints from before --method existed
             if saved == value:
                 continue
             if isinstance(value, dict) and isinstance(saved, dict):
@@ -384,9 +433,12 @@ class Distiller:
             logger.info("plan:\n%s", self.plan())
         result = RunResult(output_dir=out)
         embeddings, latents, negative, teacher = self.prepare_caches(result)
-        dataset = DistillationDataset(self.prompts, latents, embeddings, cfg.max_sequence_length)
+        dataset = DistillationDataset(
+            self.prompts, latents, embeddings, cfg.max_sequence_length, self.teacher_noise_for_regression()
+        )
         student = self.make_student()
-        loop = TrainingLoop(cfg, self, student, teacher, dataset, negative, out)
+        extra = {name: self.make_model(name) for name in self.model_specs if name != "student"}
+        loop = TrainingLoop(cfg, self, student, teacher, dataset, negative, out, extra)
         result.resumed_from = loop.maybe_resume()
         loop.train(result)
         if result.stopped_by_signal is None:
@@ -431,6 +483,7 @@ class TrainingLoop:
         dataset: DistillationDataset,
         negative: torch.Tensor,
         output_dir: Path,
+        extra_models: dict[str, torch.nn.Module] | None = None,
     ) -> None:
         from diffusers.optimization import get_scheduler
 
@@ -439,10 +492,17 @@ class TrainingLoop:
         self.device = distiller.device
         self.output_dir = output_dir
         self.student = student
-        self.model = student  # what the step calls: the DDP wrapper under torchrun
+        # Every trained model (student first); the method decides which ones and how each learns.
+        method_cls = method_class(cfg.method)
+        self.models: dict[str, torch.nn.Module] = {"student": student, **(extra_models or {})}
+        self.wrapped: dict[str, torch.nn.Module] = dict(self.models)  # what grad-carrying forwards call
         if self.ctx.enabled:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = DistributedDataParallel(student, device_ids=device_ids)
+            self.wrapped = {
+                name: DistributedDataParallel(model, device_ids=device_ids)
+                for name, model in self.models.items()
+            }
+        self.model = self.wrapped["student"]
         padded = torch.zeros(1, cfg.max_sequence_length, negative.shape[-1])
         padded[0, : negative.shape[0]] = negative[: cfg.max_sequence_length]
         self.negative = padded.to(self.device)
@@ -454,24 +514,52 @@ class TrainingLoop:
         self.sampler = ResumableSampler(
             len(dataset), cfg.seed, cfg.batch_size, self.ctx.rank, self.ctx.world_size
         )
-        params = [p for p in student.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=self.device.type == "cuda"
+        self._latent_statistics: tuple[float, float] | None = None
+        env = MethodEnv(
+            teacher, self.negative, self.device, distiller.shift, self.autocast, self.latent_statistics
         )
+        self.method = method_cls(cfg, env, self.models)
+        self.method.bind(self.wrapped)
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.lr_schedules: dict[str, Any] = {}
+        self.scalers: dict[str, torch.amp.GradScaler] = {}
         name = "cosine" if cfg.lr_scheduler == "cosine" else "constant_with_warmup"
-        self.lr_schedule = get_scheduler(
-            name, self.optimizer, num_warmup_steps=cfg.lr_warmup_steps, num_training_steps=self.total_steps
-        )
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.mixed_precision == "fp16")
+        for model_name, model in self.models.items():
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(
+                params, fused=self.device.type == "cuda", **self.method.optimizer_settings(model_name)
+            )
+            self.optimizers[model_name] = optimizer
+            self.lr_schedules[model_name] = get_scheduler(
+                name,
+                optimizer,
+                num_warmup_steps=cfg.lr_warmup_steps,
+                num_training_steps=self.method.update_count(model_name, self.total_steps),
+            )
+            self.scalers[model_name] = torch.amp.GradScaler(
+                self.device.type, enabled=cfg.mixed_precision == "fp16"
+            )
+        self.optimizer = self.optimizers["student"]
+        self.lr_schedule = self.lr_schedules["student"]
+        self.scaler = self.scalers["student"]
         self.ema = None
         if cfg.ema_decay:
             from diffusers.training_utils import EMAModel
 
-            self.ema = EMAModel(params, decay=cfg.ema_decay)
+            self.ema = EMAModel([p for p in student.parameters() if p.requires_grad], decay=cfg.ema_decay)
         # Randomness of the GLOBAL batch, identical on every rank; each rank uses its slice. Our
         # own generators, so the random stream of training is part of the checkpoint.
         self.timestep_generator = torch.Generator("cpu").manual_seed(cfg.seed + 1)
         self.noise_generator = torch.Generator(self.device).manual_seed(cfg.seed + 2)
+        self.randomness = BatchRandomness(
+            self.timestep_generator, self.noise_generator, self.ctx.rank, self.ctx.world_size, self.device
+        )
+        # Per update: this step's sums, the logged window's sums, the last grad norm, the extras' names.
+        self.step_sums: dict[str, torch.Tensor] = {}
+        self.window_sums: dict[str, torch.Tensor] = {}
+        self.grad_norms: dict[str, torch.Tensor] = {}
+        self.window_updates: dict[str, int] = {}  # updates attempted since the last log
+        self.extra_names: dict[str, list[str]] = {}
         self.step = 0
         self.consumed = 0  # global samples drawn
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss or gradient
@@ -489,6 +577,17 @@ class TrainingLoop:
             "timestep_generator": self.timestep_generator.get_state(),
             "noise_generator": self.noise_generator.get_state(),
             "rng": ckpt.rng_state(),
+            # Models besides the student (their weights go to <name>.safetensors), and the method's own.
+            "models": {
+                name: {
+                    "optimizer": self.optimizers[name].state_dict(),
+                    "lr_schedule": self.lr_schedules[name].state_dict(),
+                    "scaler": self.scalers[name].state_dict(),
+                }
+                for name in self.models
+                if name != "student"
+            },
+            "method": self.method.state_dict(),
         }
 
     def save(self) -> Path | None:
@@ -503,6 +602,9 @@ class TrainingLoop:
                 "wandb_run_id": self.wandb_run_id,
                 "world_size": self.ctx.world_size,
                 "skipped_steps": self.skipped_steps,
+                "method": self.cfg.method,
+                # Where the next step starts in the method's cycle of updates (dmd: critic/generator).
+                "next_updates": self.method.updates(self.step + 1),
             }
             try:
                 path = ckpt.save_checkpoint(
@@ -512,6 +614,9 @@ class TrainingLoop:
                     self.checkpoint_state(),
                     meta,
                     self.cfg.keep_last,
+                    extra_models={
+                        name: model.state_dict() for name, model in self.models.items() if name != "student"
+                    },
                 )
                 logger.info("saved checkpoint %s", path)
             except DistillError as exc:
@@ -541,6 +646,22 @@ class TrainingLoop:
         self.timestep_generator.set_state(state["timestep_generator"])
         self.noise_generator.set_state(state["noise_generator"].to(self.noise_generator.get_state().device))
         ckpt.restore_rng_state(state["rng"])
+        for name, model in self.models.items():
+            if name == "student":
+                continue
+            if name not in found.models or name not in state.get("models", {}):
+                raise DistillError(
+                    f"checkpoint {found.path} holds no {name} (made by another --method?)",
+                    fixes=[
+                        "resume with the --method the checkpoint was made with, or start in another --output_dir"
+                    ],
+                    stage=Stage.CHECKPOINT,
+                )
+            model.load_state_dict(found.models[name])
+            self.optimizers[name].load_state_dict(state["models"][name]["optimizer"])
+            self.lr_schedules[name].load_state_dict(state["models"][name]["lr_schedule"])
+            self.scalers[name].load_state_dict(state["models"][name]["scaler"])
+        self.method.load_state_dict(state.get("method", {}))
         self.step, self.consumed = found.step, int(found.meta["consumed"])
         self.skipped_steps = int(found.meta.get("skipped_steps", 0))
         self.wandb_run_id = found.meta.get("wandb_run_id")
@@ -555,73 +676,55 @@ class TrainingLoop:
         dtype = torch.bfloat16 if self.cfg.mixed_precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _global_randomness(
-        self, shape: tuple[int, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[bool, bool]]:
-        """Sigmas (CPU) and noise (device) of this rank's slice of the global micro-batch, and whether
-        any rank needs the high / low expert (known everywhere: the global sigmas are)."""
-        world, rank = self.ctx.world_size, self.ctx.rank
-        batch = shape[0]
-        sigmas = sample_sigmas(batch * world, self.distiller.shift, self.timestep_generator)
-        noise = torch.randn((batch * world, *shape[1:]), generator=self.noise_generator, device=self.device)
-        rows = slice(rank * batch, (rank + 1) * batch)
-        high = high_noise_mask(sigmas_to_timesteps(sigmas), self.teacher.boundary_ratio)
-        return sigmas[rows], noise[rows], (bool(high.any()), bool((~high).any()))
+    def latent_statistics(self) -> tuple[float, float]:
+        """Mean and std of the teacher's clean latents (computed once, from the cache)."""
+        if self._latent_statistics is None:
+            self._latent_statistics = self.dataset.clean_latent_statistics()
+        return self._latent_statistics
 
-    def micro_step(
-        self, batch: dict[str, torch.Tensor], sums: torch.Tensor, sync: bool, poison: bool
-    ) -> None:
-        """Forward and backward of one micro-batch; adds [loss, high loss, high n, low loss, low n] to `sums`
-        (this step's sums: they join the logged totals only if the step is not skipped)."""
-        x0 = batch["x0"].to(self.device, non_blocking=True)
-        # The cache keeps embeddings in the teacher's dtype; the student computes in float32 (or autocast).
-        cond = batch["cond"].to(self.device, torch.float32, non_blocking=True)
-        sigmas, noise, experts_needed = self._global_randomness(tuple(x0.shape))
-        timesteps = sigmas_to_timesteps(sigmas)
-        # Non-blocking copies of the small CPU tensors: a blocking one waits for every queued kernel
-        # (the previous step's optimizer, then the teacher), leaving the GPU idle while the host
-        # catches up with its kernel launches.
-        timesteps_device = timesteps.to(self.device, non_blocking=True)
-        x_t = add_noise(x0, noise.to(x0.dtype), sigmas.to(self.device, non_blocking=True))
-        target = self.teacher.velocity(x_t, timesteps, cond, self.negative, experts_needed)
-        no_sync = self.model.no_sync if (self.ctx.enabled and not sync) else contextlib.nullcontext
+    def micro_step(self, update: str, batch: dict[str, torch.Tensor], sync: bool, poison: bool) -> None:
+        """Forward and backward of one micro-batch of `update`; adds [loss, high loss, high n, low loss,
+        low n, *extras] to this step's sums (they join the logged totals only if the step is not skipped)."""
+        model = self.wrapped[update]
+        no_sync = model.no_sync if (self.ctx.enabled and not sync) else contextlib.nullcontext
         with no_sync():
-            with self.autocast():
-                prediction = self.model(
-                    hidden_states=x_t,
-                    timestep=timesteps_device,
-                    encoder_hidden_states=cond,
-                    return_dict=False,
-                )[0]
-            losses = per_sample_mse(prediction, target)
+            out = self.method.loss(update, batch, self.randomness)
+            losses = out.losses
             if poison:  # DISTILL_INJECT_FAULT=nan:STEP
                 losses = losses * float("nan")
             loss = losses.mean() / self.cfg.gradient_accumulation_steps
-            self.scaler.scale(loss).backward()
-        high = high_noise_mask(timesteps_device, self.teacher.boundary_ratio).float()
+            self.scalers[update].scale(loss).backward()
+        names = self.extra_names.setdefault(update, sorted(out.extras))
+        high = out.high_noise.float()
         detached = losses.detach()
-        sums += torch.stack(
-            [
-                detached.sum(),
-                (detached * high).sum(),
-                high.sum(),
-                (detached * (1 - high)).sum(),
-                (1 - high).sum(),
-            ]
-        )
+        parts = [
+            detached.sum(),
+            (detached * high).sum(),
+            high.sum(),
+            (detached * (1 - high)).sum(),
+            (1 - high).sum(),
+        ]
+        parts += [out.extras[name].detach().float().sum() for name in names]
+        stacked = torch.stack(parts)
+        if update not in self.step_sums:
+            self.step_sums[update] = torch.zeros_like(stacked)
+            self.window_sums[update] = torch.zeros_like(stacked)
+        self.step_sums[update] += stacked
 
     def optimizer_step(
-        self, step_loss: torch.Tensor, stop_requested: bool
+        self, update: str, step_loss: torch.Tensor, stop_requested: bool
     ) -> tuple[torch.Tensor, bool, bool]:
-        """Clip and step, unless loss or gradient is non-finite. Returns (grad norm, stepped, stop on all ranks)."""
-        self.scaler.unscale_(self.optimizer)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        """Clip and step the model of `update`, unless loss or gradient is non-finite.
+        Returns (grad norm, stepped, stop on all ranks)."""
+        optimizer, scaler = self.optimizers[update], self.scalers[update]
+        scaler.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         bad = ~torch.isfinite(step_loss)
-        if not self.scaler.is_enabled():  # with fp16 the scaler itself skips overflowing steps
+        if not scaler.is_enabled():  # with fp16 the scaler itself skips overflowing steps
             bad = bad | ~torch.isfinite(grad_norm)
-        # The one per-step host sync: a bad step must be skipped on every rank alike, and a
+        # The one per-update host sync: a bad step must be skipped on every rank alike, and a
         # preemption signal on any rank must stop all of them at the same step, so both flags are
         # reduced across ranks in one small collective before anything is updated.
         flags = torch.stack([bad.float(), torch.full((), float(stop_requested), device=self.device)])
@@ -629,39 +732,50 @@ class TrainingLoop:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         non_finite, stop = (bool(v) for v in flags.tolist())
         if non_finite:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scaler.update()
             return grad_norm, False, stop
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.lr_schedule.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
+        scaler.step(optimizer)
+        scaler.update()
+        self.lr_schedules[update].step()
+        optimizer.zero_grad(set_to_none=True)
+        if update == "student" and self.ema is not None:
             self.ema.step(params)
         return grad_norm, True, stop
 
     def train_step(
-        self,
-        batches: Iterator[dict[str, torch.Tensor]],
-        step_sums: torch.Tensor,
-        stop: StopRequest | None = None,
-    ) -> tuple[torch.Tensor, bool, bool]:
-        """One optimizer step over `gradient_accumulation_steps` micro-batches; see optimizer_step.
+        self, batches: Iterator[dict[str, torch.Tensor]], stop: StopRequest | None = None
+    ) -> tuple[dict[str, torch.Tensor], bool, bool]:
+        """One step: each update the method asks for (velocity: the student; dmd: the critic, and every
+        --critic_updates steps the student first), each over `gradient_accumulation_steps` micro-batches.
 
-        `stop` is read just before the update, so a signal that arrives during the step stops at it.
+        Returns (grad norm per update, whether every update stepped, stop on all ranks). `stop` is read
+        just before each update, so a signal that arrives during the step stops at its end.
         """
         cfg = self.cfg
         next_step = self.step + 1
         Progress.enter(Stage.TRAINING, next_step)
         self.faults.before_step(next_step)
-        step_sums.zero_()
-        for micro in range(cfg.gradient_accumulation_steps):
-            last = micro == cfg.gradient_accumulation_steps - 1
-            self.micro_step(next(batches), step_sums, sync=last, poison=self.faults.wants_nan(next_step))
-            self.consumed += cfg.batch_size * self.ctx.world_size
-        outcome = self.optimizer_step(step_sums[0], stop is not None and stop.signal_name is not None)
+        norms: dict[str, torch.Tensor] = {}
+        all_stepped, stop_all = True, False
+        for update in self.method.updates(next_step):
+            if update in self.step_sums:
+                self.step_sums[update].zero_()
+            for micro in range(cfg.gradient_accumulation_steps):
+                last = micro == cfg.gradient_accumulation_steps - 1
+                self.micro_step(update, next(batches), sync=last, poison=self.faults.wants_nan(next_step))
+                self.consumed += cfg.batch_size * self.ctx.world_size
+            self.window_updates[update] = self.window_updates.get(update, 0) + 1
+            requested = stop is not None and stop.signal_name is not None
+            norms[update], stepped, stop_now = self.optimizer_step(
+                update, self.step_sums[update][0], requested
+            )
+            all_stepped, stop_all = all_stepped and stepped, stop_all or stop_now
+            if stepped:
+                self.window_sums[update] += self.step_sums[update]
+        self.grad_norms.update(norms)
         self.step = next_step
-        return outcome
+        return norms, all_stepped, stop_all
 
     def make_loader(self) -> torch.utils.data.DataLoader:
         """Batches of this rank, starting after the samples already consumed."""
@@ -695,20 +809,17 @@ class TrainingLoop:
             self.step,
             monitor.start(self.teacher.high, self.teacher.low, self.dataset.embeddings, self.negative),
         )
-        sums = torch.zeros(5, device=self.device)
-        step_sums = torch.zeros(5, device=self.device)
         try:
             with StopRequest() as stop:
                 while self.step < self.total_steps:
-                    grad_norm, stepped, stop_now = self.train_step(batches, step_sums, stop)
+                    _, stepped, stop_now = self.train_step(batches, stop)
                     tracker.advance()
                     if stepped:
-                        sums += step_sums
                         self.bad_steps = 0
                     else:
                         self._count_bad_step(result)
                     if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        self._log(sums, grad_norm, tracker, result)
+                        self._log(tracker, result)
                         if self.ctx.is_main:
                             monitor.plot_loss(self.output_dir / "metrics.jsonl", self.output_dir / "loss.png")
                     self._observe(monitor, tracker)
@@ -748,17 +859,24 @@ class TrainingLoop:
         """At the end of a data-parallel run, prove every rank ended with the same student."""
         if not self.ctx.enabled:
             return
-        agree, digest = dist_utils.ranks_agree(unwrap_model(self.student), self.device)
-        if not agree:
+        differ = []
+        for name, model in self.models.items():
+            agree, digest = dist_utils.ranks_agree(model, self.device)
+            if not agree:
+                differ.append(name)
+        if differ:
             raise DistillError(
-                "the ranks ended with different student weights",
+                f"the ranks ended with different {' and '.join(differ)} weights",
                 "DDP keeps replicas identical; a difference means a rank skipped or repeated an update.",
                 fixes=["report this with the command line; the rank-0 checkpoint is the one to keep"],
                 stage=Stage.TRAINING,
             )
         if self.ctx.is_main:
             logger.info(
-                "all %d ranks hold identical student weights (checksum %s)", self.ctx.world_size, digest
+                "all %d ranks hold identical %s weights (checksum %s)",
+                self.ctx.world_size,
+                " and ".join(self.models),
+                digest,
             )
 
     def _count_bad_step(self, result: RunResult) -> None:
@@ -791,31 +909,51 @@ class TrainingLoop:
                 stage=Stage.TRAINING,
             )
 
-    def _log(self, sums: torch.Tensor, grad_norm: torch.Tensor, tracker: Tracker, result: RunResult) -> None:
+    def _log(self, tracker: Tracker, result: RunResult) -> None:
+        names = sorted(self.window_sums)
+        sums = (
+            torch.cat([self.window_sums[n] for n in names]) if names else torch.zeros(0, device=self.device)
+        )
         dist_utils.all_reduce_sum(sums)  # every rank reaches the same logged steps
-        metrics = self.metrics(sums, grad_norm)  # the host sync of a logged step
-        sums.zero_()
+        norms = torch.stack([self.grad_norms[n].reshape(()).float() for n in names]) if names else sums[:0]
+        values = torch.cat([sums, norms]).tolist()  # the host sync of a logged step
+        for window in self.window_sums.values():
+            window.zero_()
+        metrics = self.metrics(names, values)
+        self.window_updates.clear()
         metrics["skipped_steps"] = float(self.skipped_steps)
         tracker.log(self.step, metrics)
         result.history.append({"step": self.step, **metrics})
-        if result.first_loss is None:
-            result.first_loss = metrics["loss"]
-        result.last_loss = metrics["loss"]
+        if "loss" in metrics:
+            if result.first_loss is None:
+                result.first_loss = metrics["loss"]
+            result.last_loss = metrics["loss"]
 
-    def metrics(self, sums: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
-        total, high_loss, high_n, low_loss, low_n, norm = torch.cat(
-            [sums, grad_norm.reshape(1).float()]
-        ).tolist()
-        metrics = {
-            "loss": total / max(high_n + low_n, 1),
-            "lr": self.lr_schedule.get_last_lr()[0],
-            "grad_norm": norm,
-        }
-        if high_n:
-            metrics["loss_high_noise"] = high_loss / high_n
-        if low_n:
-            metrics["loss_low_noise"] = low_loss / low_n
-        return metrics
+    def metrics(self, names: list[str], values: list[float]) -> dict[str, float]:
+        """Per update: loss (total and per expert range), lr, grad norm and its extras, named with the
+        method's prefix (the student's update unprefixed: loss, lr, grad_norm, ...)."""
+        metrics: dict[str, float] = {}
+        offset = 0
+        norms = values[sum(len(self.window_sums[n]) for n in names) :]
+        for index, name in enumerate(names):
+            width = len(self.window_sums[name])
+            total, high_loss, high_n, low_loss, low_n, *extras = values[offset : offset + width]
+            offset += width
+            prefix = self.method.metric_prefix(name)
+            count = high_n + low_n
+            if not self.window_updates.get(name):
+                continue  # not due in this window (dmd: no generator update since the last log)
+            metrics[f"{prefix}loss"] = total / max(count, 1)
+            metrics[f"{prefix}lr"] = self.lr_schedules[name].get_last_lr()[0]
+            metrics[f"{prefix}grad_norm"] = norms[index]
+            if high_n:
+                metrics[f"{prefix}loss_high_noise"] = high_loss / high_n
+            if low_n:
+                metrics[f"{prefix}loss_low_noise"] = low_loss / low_n
+            for extra, value in zip(self.extra_names[name], extras):
+                if count:
+                    metrics[f"{prefix}{extra}"] = value / count
+        return self.method.finish_metrics(metrics)
 
     # -- export ------------------------------------------------------------------------------
     def export(self) -> tuple[Path | None, Path | None]:
@@ -823,7 +961,10 @@ class TrainingLoop:
         student_dir = ema_dir = None
         if self.ctx.is_main:
             student = unwrap_model(self.student)
+            scheduler = self.method.export_scheduler()
             student_dir = export_student(student, self.output_dir / "student")
+            if scheduler is not None:  # a few-step student ships the scheduler it samples with
+                scheduler.save_pretrained(student_dir)
             original = "original" in self.cfg.export_formats.split(",")
             if original:
                 export_original(student_dir, self.output_dir / "student_original.safetensors")
@@ -833,20 +974,22 @@ class TrainingLoop:
                 self.ema.copy_to(params)
                 try:
                     ema_dir = export_student(student, self.output_dir / "student_ema")
+                    if scheduler is not None:
+                        scheduler.save_pretrained(ema_dir)
                     if original:
                         export_original(ema_dir, self.output_dir / "student_ema_original.safetensors")
                 finally:
                     self.ema.restore(params)
-            self._write_pipeline_folder(ema_dir or student_dir)
+            self._write_pipeline_folder(ema_dir or student_dir, scheduler)
         dist_utils.barrier()
         return student_dir, ema_dir
 
-    def _write_pipeline_folder(self, student_dir: Path) -> None:
+    def _write_pipeline_folder(self, student_dir: Path, scheduler: Any = None) -> None:
         """<output_dir>/pipeline/: WanPipeline.from_pretrained-ready, linking the teacher's parts (no copies)."""
         from distill.sampling import write_pipeline_folder
 
         try:
-            path = write_pipeline_folder(self.output_dir, self.distiller.info.path, student_dir)
+            path = write_pipeline_folder(self.output_dir, self.distiller.info.path, student_dir, scheduler)
             logger.info(
                 "WanPipeline.from_pretrained(%r) loads the student with the teacher's text encoder and VAE",
                 str(path),

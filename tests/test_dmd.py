@@ -1,0 +1,237 @@
+"""The dmd method on tiny real models: the DMD gradient, gradient isolation, expert routing, the
+exported K-step scheduler and sampler, resume and data parallelism."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, repo_pythonpath, train_args
+from safetensors.torch import load_file
+
+from distill.config import parse_config
+from distill.few_step import few_step_scheduler, sample_few_step, student_grid
+from distill.methods.base import BatchRandomness, MethodEnv
+from distill.methods.dmd import DmdMethod, dmd_gradient, dmd_loss, score_estimates, score_sigmas
+from distill.objective import apply_guidance
+from distill.student import build_student, load_student_config
+from distill.teacher import GuidedTeacher, inspect_teacher, load_expert
+from distill.trainer import Distiller
+
+LATENT = (16, 1, 4, 4)  # (C, F, H, W) of a 32x32 image on the tiny teacher
+
+
+def experts(teacher_path: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+    info = inspect_teacher(str(teacher_path))
+    return load_expert(info, "transformer", torch.float32), load_expert(info, "transformer_2", torch.float32)
+
+
+def inputs(seed: int = 0, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(batch, *LATENT, generator=gen),
+        torch.randn(batch, 7, 32, generator=gen),
+        torch.randn(1, 7, 32, generator=gen),
+    )
+
+
+def test_a_critic_equal_to_the_unguided_teacher_gives_zero_dmd_gradient(tiny_teacher):
+    high, low = experts(tiny_teacher)
+    teacher = GuidedTeacher(high, high, 0.875, 1.0, 1.0, torch.device("cpu"), torch.float32)
+    x0_hat, cond, uncond = inputs()
+    x0_hat.requires_grad_(True)
+    sigmas = torch.tensor([0.9, 0.4])
+    x_t = (1 - sigmas.view(-1, 1, 1, 1, 1)) * x0_hat.detach() + sigmas.view(
+        -1, 1, 1, 1, 1
+    ) * torch.randn_like(x0_hat)
+
+    real, fake = score_estimates(x_t, sigmas, cond, uncond, teacher, copy.deepcopy(high))
+    grad = dmd_gradient(x0_hat, real, fake)
+    dmd_loss(x0_hat, grad).sum().backward()
+    assert grad.abs().max() < 1e-5 and x0_hat.grad.abs().max() < 1e-8
+
+    # the control: a critic that differs from the teacher pushes the sample
+    real, fake = score_estimates(x_t, sigmas, cond, uncond, teacher, low)
+    assert dmd_gradient(x0_hat, real, fake).abs().mean() > 1e-2
+
+
+def test_score_timesteps_are_clamped_and_routed_to_the_expert_that_owns_them(tiny_teacher):
+    assert score_sigmas(torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64), 3.0).tolist() == pytest.approx(
+        [0.02, 0.75, 0.98]
+    )
+    high, low = experts(tiny_teacher)
+    teacher = GuidedTeacher(high, low, 0.875, 4.0, 3.0, torch.device("cpu"), torch.float32)
+    x_t, cond, uncond = inputs(1)
+    sigmas = torch.tensor([0.95, 0.3])  # t' = 950 (high-noise expert), 300 (low-noise expert)
+    real, _ = score_estimates(x_t, sigmas, cond, uncond, teacher, low)
+
+    def guided_x0(expert, scale, i):
+        def v(text):
+            return expert(
+                hidden_states=x_t[i : i + 1], timestep=sigmas[i : i + 1] * 1000, encoder_hidden_states=text
+            )[0]
+
+        with torch.no_grad():
+            return x_t[i] - sigmas[i] * apply_guidance(v(cond[i : i + 1]), v(uncond), scale)[0]
+
+    assert torch.allclose(real[0], guided_x0(high, 4.0, 0), atol=1e-5)
+    assert torch.allclose(real[1], guided_x0(low, 3.0, 1), atol=1e-5)
+    assert not torch.allclose(real[0], guided_x0(low, 3.0, 0), atol=1e-3)  # the experts do differ
+
+
+def make_method(tiny_teacher, **overrides):
+    cfg = parse_config(train_args(tiny_teacher, Path("unused"), Path("unused"), method="dmd", **overrides))
+    high, low = experts(tiny_teacher)
+    teacher = GuidedTeacher(high, low, 0.875, 4.0, 3.0, torch.device("cpu"), torch.float32)
+    config = load_student_config(REPO / "config" / "student_tiny.json", dict(high.config))
+    models = {
+        "student": build_student(config, seed=0).train(),
+        "critic": build_student(config, seed=1).train(),
+    }
+    _, _, uncond = inputs()
+    env = MethodEnv(
+        teacher,
+        uncond,
+        torch.device("cpu"),
+        3.0,
+        lambda: torch.autocast("cpu", enabled=False),
+        lambda: (0.0, 1.0),
+    )
+    rng = BatchRandomness(
+        torch.Generator().manual_seed(0), torch.Generator().manual_seed(1), 0, 1, torch.device("cpu")
+    )
+    return DmdMethod(cfg, env, models), models, rng
+
+
+@pytest.mark.parametrize("dmd_inputs", ["simulate", "data"])
+def test_no_gradient_leaks_between_the_generator_and_the_critic_update(tiny_teacher, dmd_inputs):
+    method, models, rng = make_method(tiny_teacher, dmd_inputs=dmd_inputs, regression_weight=0.5)
+    x0, cond, _ = inputs(2)
+    batch = {"x0": x0, "cond": cond, "noise": torch.randn_like(x0)}
+
+    def grads(model):
+        return [p.grad for p in model.parameters()]
+
+    for update, trained, frozen in (("student", "student", "critic"), ("critic", "critic", "student")):
+        out = method.loss(update, batch, rng)
+        out.losses.mean().backward()
+        assert all(g is None for g in grads(models[frozen])), f"{update} update reached the {frozen}"
+        assert sum(g.abs().sum() for g in grads(models[trained]) if g is not None) > 0
+        for model in models.values():
+            model.zero_grad(set_to_none=True)
+    assert set(method.loss("student", batch, rng).extras) == {"regression_loss"}
+
+
+def run(args):
+    return Distiller(parse_config(args)).run()
+
+
+def dmd_args(teacher, out, cache, **overrides):
+    settings = dict(method="dmd", height=32, width=32, num_steps=3, critic_updates=2, regression_weight=0.5)
+    settings.update(overrides)
+    return train_args(teacher, out, cache, **settings)
+
+
+def test_exported_scheduler_and_stock_wan_pipeline_reproduce_the_students_k_step_rollout(
+    tiny_teacher, tmp_path
+):
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    result = run(dmd_args(tiny_teacher, tmp_path / "out", tmp_path / "cache", num_steps=2))
+    method_grid = student_grid(few_step_scheduler(5.0), 4)  # what training uses at the default shift
+    exported = FlowMatchEulerDiscreteScheduler.from_pretrained(result.student_dir)
+    in_pipeline = FlowMatchEulerDiscreteScheduler.from_pretrained(
+        result.output_dir / "pipeline" / "scheduler"
+    )
+    for scheduler in (exported, in_pipeline):
+        assert scheduler.config.stochastic_sampling
+        scheduler.set_timesteps(4)
+        assert torch.equal(scheduler.timesteps, method_grid[0])
+    # 2 + 2 across the tiny teacher's boundary 0.875, as for A14B
+    assert [t >= 875 for t in method_grid[0].tolist()] == [True, True, False, False]
+
+    pipe = WanPipeline.from_pretrained(result.output_dir / "pipeline")
+    pipe.set_progress_bar_config(disable=True)
+    cond = torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(11)
+    stock = pipe(
+        prompt_embeds=cond,
+        height=32,
+        width=32,
+        num_frames=1,
+        num_inference_steps=4,
+        guidance_scale=1.0,
+        output_type="latent",
+    ).frames
+    ours = sample_few_step(pipe.transformer, exported, 4, cond, LATENT, seed=11)
+    assert torch.allclose(ours, stock, atol=1e-6), (ours - stock).abs().max()
+    assert not torch.allclose(
+        sample_few_step(pipe.transformer, exported, 4, cond, LATENT, seed=12), stock, atol=1e-3
+    )
+
+
+def weights_of(result, name):
+    if name == "critic":
+        last = sorted((result.output_dir / "checkpoints").iterdir())[-1]
+        return load_file(str(last / "critic.safetensors"))
+    return load_file(str(result.output_dir / name / "diffusion_pytorch_model.safetensors"))
+
+
+def test_dmd_resume_equals_an_uninterrupted_run_bitwise(tiny_teacher, tmp_path, monkeypatch):
+    # checkpoint at step 2 sits mid-cycle: step 3 is a generator step, step 4 critic only
+    common = dict(num_steps=5, checkpoint_every=2, ema_decay=0.9)
+    cache = tmp_path / "cache"
+    straight = run(dmd_args(tiny_teacher, tmp_path / "straight", cache, **common))
+    monkeypatch.setenv("DISTILL_INJECT_FAULT", "exception:4")
+    with pytest.raises(RuntimeError, match="injected exception at step 4"):
+        run(dmd_args(tiny_teacher, tmp_path / "resumed", cache, **common))
+    monkeypatch.delenv("DISTILL_INJECT_FAULT")
+    resumed = run(dmd_args(tiny_teacher, tmp_path / "resumed", cache, **common))
+    assert resumed.resumed_from.name == "step_00000002"
+    meta = json.loads((resumed.resumed_from / "meta.json").read_text())
+    assert meta["next_updates"] == ["student", "critic"] and meta["identity"]["method"] == "dmd"
+    for name in ("student", "student_ema", "critic"):
+        a, b = weights_of(straight, name), weights_of(resumed, name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    rows = lambda r: [json.loads(x) for x in (r.output_dir / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    drop = lambda row: {k: v for k, v in row.items() if k != "steps_per_s"}  # noqa: E731
+    assert [drop(r) for r in rows(straight)[2:]] == [drop(r) for r in rows(resumed)[-3:]]
+    assert {
+        "loss",
+        "critic_loss",
+        "grad_norm",
+        "critic_grad_norm",
+        "latent_mean_drift",
+        "latent_std_ratio",
+    } <= set(rows(straight)[0])
+
+
+def test_dmd_two_processes_match_one_process(tiny_teacher, tmp_path):
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
+    env.pop("DISTILL_INJECT_FAULT", None)
+    cache = tmp_path / "cache"
+    for nproc, batch in ((2, 1), (1, 2)):
+        launcher = [sys.executable]
+        if nproc > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        args = dmd_args(tiny_teacher, tmp_path / f"n{nproc}", cache, batch_size=batch, num_steps=3)
+        proc = subprocess.run(
+            [*launcher, str(REPO / "train_distillation.py"), *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            cwd=REPO,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("student", "critic"):
+        results = [type("R", (), {"output_dir": tmp_path / f"n{n}"}) for n in (1, 2)]
+        a, b = (weights_of(r, name) for r in results)
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert worst < 5e-5, (name, worst)
