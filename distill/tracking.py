@@ -97,7 +97,9 @@ class Tracker:
             handle.write(json.dumps(record) + "\n")
         # A dmd step without a generator update has only the critic's numbers.
         shown = {k: f"{metrics[k]:.4g}" for k in ("loss", "critic_loss") if k in metrics}
-        self.bar.set_postfix(shown, lr=f"{metrics.get('lr', metrics.get('critic_lr', 0.0)):.2e}", refresh=False)
+        self.bar.set_postfix(
+            shown, lr=f"{metrics.get('lr', metrics.get('critic_lr', 0.0)):.2e}", refresh=False
+        )
         if self.run is not None:
             try:
                 self.run.log(metrics, step=step)
