@@ -144,11 +144,11 @@ class Distiller:
         self.prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]
         self.teacher_dtype = resolve_dtype(cfg.teacher_dtype, self.device)
         self.shift = cfg.flow_shift if cfg.flow_shift is not None else self.info.flow_shift
-        self.placement, self.placement_reason = choose_placement(
-            cfg, self.info, self.student_config, self.device, self.ctx.world_size
-        )
         # Refuse a bad critic config (dmd) before anything heavy, too.
         self.model_specs = self.resolve_model_specs()
+        self.placement, self.placement_reason = choose_placement(
+            cfg, self.info, self.student_config, self.device, self.ctx.world_size, self.critic_config
+        )
         self.early_models: dict[str, torch.nn.Module] = {}
         self._identity: dict[str, Any] | None = None
         # Reads the sample/eval prompt files now, so a bad path fails before anything heavy loads.
@@ -171,7 +171,9 @@ class Distiller:
         )
         placement = (self.placement, self.placement_reason)
         if self.cfg.plan_world_size and self.cfg.plan_world_size != self.ctx.world_size:
-            placement = choose_placement(self.cfg, self.info, self.student_config, self.device, world)
+            placement = choose_placement(
+                self.cfg, self.info, self.student_config, self.device, world, self.critic_config
+            )
         return memory_plan(
             self.cfg,
             self.info,
@@ -180,7 +182,12 @@ class Distiller:
             world,
             local_world,
             chosen=placement,
+            critic_config=self.critic_config,
         )
+
+    @property
+    def critic_config(self) -> dict[str, Any] | None:
+        return self.model_specs["critic"][0] if "critic" in self.model_specs else None
 
     # -- preparation -----------------------------------------------------------------------
     def _open_shared(self, make_cache: Any) -> TensorCache:

@@ -235,3 +235,44 @@ def test_dmd_two_processes_match_one_process(tiny_teacher, tmp_path):
         a, b = (weights_of(r, name) for r in results)
         worst = max((a[k] - b[k]).abs().max().item() for k in a)
         assert worst < 5e-5, (name, worst)
+
+
+def test_dry_run_plan_adds_the_critic_and_says_which_placements_fit():
+    from distill.plan import estimate, memory_plan
+    from distill.teacher import TeacherInfo
+
+    a14b_expert = dict(
+        patch_size=[1, 2, 2],
+        num_attention_heads=40,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=13824,
+        num_layers=40,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=1024,
+    )
+    info = TeacherInfo(Path("A14B"), 0.875, 3.0, a14b_expert, 8, 4)
+    student = load_student_config(REPO / "config" / "student_config.json", a14b_expert)
+    argv = train_args(
+        Path("t"),
+        Path("o"),
+        Path("c"),
+        method="dmd",
+        teacher_dtype="bfloat16",
+        height=480,
+        width=832,
+        gradient_checkpointing=True,
+    )
+    cfg, cpu = parse_config(argv), torch.device("cpu")
+    plan = memory_plan(cfg, info, student, cpu, critic_config=student)
+    assert "critic+grads+AdamW" in plan and "fits an 80 GB GPU" in plan
+    assert plan.splitlines()[-1].endswith("gpu no, cpu yes")
+    with_critic = estimate(cfg, info, student, cpu, "gpu", 1, student).total
+    without = estimate(cfg, info, student, cpu, "gpu", 1).total
+    # A14B in bf16 (53 GiB) + a 1.3B student and a 1.3B critic with AdamW (21 GiB each)
+    assert 90 < with_critic / 2**30 < 100 and with_critic - without == pytest.approx(16 * 1.42e9, rel=0.01)
+    assert estimate(cfg, info, student, cpu, "cpu", 1, student).total / 2**30 < 67  # fits on 80 GB
