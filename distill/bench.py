@@ -220,7 +220,7 @@ class Setup:
     high: torch.nn.Module
     low: torch.nn.Module
     student: torch.nn.Module
-    loop: Any  # distill.trainer.TrainingLoop
+    loop: Any  # distill.loop.TrainingLoop
     latent_shape: tuple[int, int, int, int]
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -345,7 +345,7 @@ def train_config(settings: BenchSettings, output_dir: Path) -> TrainConfig:
 
 
 def build_setup(settings: BenchSettings, output_dir: Path) -> Setup:
-    from distill.trainer import TrainingLoop
+    from distill.loop import TrainingLoop
 
     device = torch.device(settings.device)
     teacher_dtype = getattr(torch, settings.dtype)

@@ -1,6 +1,6 @@
 """What a distillation method is to the training loop.
 
-The loop (distill/trainer.py) owns ranks, data order, accumulation, clipping, the non-finite
+The loop (distill/loop.py) owns ranks, data order, accumulation, clipping, the non-finite
 check, one optimizer and LR schedule per trained model, EMA, checkpoints, logging and export. A
 method says which models it trains and, for each update, computes the loss of one micro-batch as
 plain tensor code. It draws its randomness from `BatchRandomness`, which hands each rank its rows
