@@ -210,11 +210,12 @@ def write_model_card(
     eval_result: Mapping[str, Any] | None = None,
     folder_ref: str | None = None,
 ) -> Path:
-    """Write `folder`/README.md; `folder_ref` is how the code refers to the folder (default: its path)."""
+    """Write `folder`/README.md; `folder_ref` is how the code refers to the folder (default: its
+    absolute path, so the call runs as shown from anywhere on this machine)."""
     folder = Path(folder)
     path = folder / CARD_FILE
     tmp = path.with_name(f".{CARD_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(model_card_text(settings, kind, folder_ref or str(folder), eval_result))
+    tmp.write_text(model_card_text(settings, kind, folder_ref or str(folder.resolve()), eval_result))
     os.replace(tmp, path)
     return path
 

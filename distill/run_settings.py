@@ -101,14 +101,11 @@ def teacher_hub_id(source: str, resolved: str | Path) -> str | None:
 
 
 def loadable_teacher(source: str, resolved: str | Path) -> str:
-    """What WanPipeline.from_pretrained should be given: the hub id or folder the user named, unless
-    it had to be converted from the original layout (then the converted copy)."""
-    local = Path(source).expanduser()
-    if not local.exists():
+    """What WanPipeline.from_pretrained should be given: the hub id the user named, else the absolute
+    teacher folder (the converted copy for an original-layout teacher), so it works from any folder."""
+    if not Path(source).expanduser().exists():
         return source  # a hub id
-    if local.resolve() == Path(resolved).resolve():
-        return source
-    return str(resolved)
+    return str(Path(resolved).resolve())
 
 
 def settings_from_run(cfg: Any, info: Any, trained_steps: int, **method: Any) -> RunSettings:
