@@ -30,11 +30,13 @@ from distill.data import DistillationDataset, ResumableSampler, TensorCache, rea
 from distill.distributed import DistContext
 from distill.errors import DistillError, Progress, Stage
 from distill.faults import FaultInjector
+from distill.model_card import document_export
 from distill.monitor import SampleMonitor, SampleSettings
 from distill.objective import add_noise, high_noise_mask, per_sample_mse, sample_sigmas, sigmas_to_timesteps
 from distill.original_layout import export_original
 from distill.plan import choose_placement, memory_plan
 from distill.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
+from distill.run_settings import settings_from_run
 from distill.student import (
     build_student,
     export_student,
@@ -90,17 +92,21 @@ class RunResult:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_resolution(cfg: TrainConfig, info: TeacherInfo) -> None:
-    multiple = info.vae_scale_spatial * info.patch_size[1]
-    for name in ("height", "width"):
-        value = getattr(cfg, name)
-        if value % multiple:
-            raise DistillError(
-                f"--{name} {value} is not a multiple of {multiple} "
-                f"(VAE stride {info.vae_scale_spatial} x patch {info.patch_size[1]})",
-                fixes=[f"use --{name} {max(multiple, value // multiple * multiple)}"],
-                stage=Stage.CONFIG,
-            )
+def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[str, Any]) -> None:
+    """Refuse a training size the teacher or the student cannot denoise (see check_sample_size)."""
+    from distill.sampling import SizeLimits, check_sample_size
+
+    check_sample_size(
+        cfg.height,
+        cfg.width,
+        cfg.num_frames,
+        info.vae_scale_spatial,
+        info.vae_scale_temporal,
+        [
+            SizeLimits.of("teacher", info.expert_config, info.path / "transformer" / "config.json"),
+            SizeLimits.of("student", student_config, cfg.student_config),
+        ],
+    )
 
 
 def prepare_output_dir(cfg: TrainConfig) -> Path:
@@ -139,7 +145,7 @@ class Distiller:
         )
         # Refuse a student that cannot work with this teacher before loading anything heavy.
         self.student_config = load_student_config(cfg.student_config, self.info.expert_config)
-        check_resolution(cfg, self.info)
+        check_resolution(cfg, self.info, self.student_config)
         self.prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]
         self.teacher_dtype = resolve_dtype(cfg.teacher_dtype, self.device)
         self.shift = cfg.flow_shift if cfg.flow_shift is not None else self.info.flow_shift
@@ -837,19 +843,25 @@ class TrainingLoop:
                         export_original(ema_dir, self.output_dir / "student_ema_original.safetensors")
                 finally:
                     self.ema.restore(params)
-            self._write_pipeline_folder(ema_dir or student_dir)
+            # How the student samples (a method with its own sampler passes steps/scheduler here).
+            settings = settings_from_run(self.cfg, self.distiller.info, self.step)
+            pipeline_dir = self._write_pipeline_folder(ema_dir or student_dir, settings.scheduler)
+            document_export(self.output_dir, settings, student_dir, ema_dir, pipeline_dir)
         dist_utils.barrier()
         return student_dir, ema_dir
 
-    def _write_pipeline_folder(self, student_dir: Path) -> None:
+    def _write_pipeline_folder(self, student_dir: Path, scheduler: dict[str, Any] | None) -> Path | None:
         """<output_dir>/pipeline/: WanPipeline.from_pretrained-ready, linking the teacher's parts (no copies)."""
         from distill.sampling import write_pipeline_folder
 
         try:
-            path = write_pipeline_folder(self.output_dir, self.distiller.info.path, student_dir)
+            path = write_pipeline_folder(self.output_dir, self.distiller.info.path, student_dir, scheduler)
             logger.info(
-                "WanPipeline.from_pretrained(%r) loads the student with the teacher's text encoder and VAE",
+                "WanPipeline.from_pretrained(%r) loads the student with the teacher's text encoder and VAE "
+                "(sample it as its README.md shows)",
                 str(path),
             )
+            return path
         except DistillError as exc:  # e.g. no symlinks on this file system: the student itself is fine
             logger.warning("no pipeline/ folder: %s (use python -m distill.generate instead)", exc.title)
+            return None
