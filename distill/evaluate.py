@@ -1,8 +1,13 @@
 """How close is the student to the teacher? A report in eval.json and eval.png.
 
-    python -m distill.evaluate --student outputs/run1/student --teacher_path TEACHER \
+    python -m distill.evaluate --student outputs/run1/student \
         --prompts data/sample_prompts.txt --output_dir outputs/run1/eval \
-        [--height 480 --width 832 --num_frames 1 --steps 30 --seed 0 --num_buckets 10 --samples_per_bucket 1]
+        [--teacher_path T --height H --width W --num_frames F --steps N --seed 0 --num_buckets 10 --samples_per_bucket 1]
+
+Every setting left out comes from the run that made the student (`run_settings.json` in or beside
+the student folder): teacher, training resolution and frames, sample steps, the teacher's guidance
+and negative prompt, max_sequence_length. A size the student or teacher cannot handle is refused
+before anything loads.
 
 The teacher is Wan 2.2 A14B as it is meant to be used: both experts, switched at
 t = boundary_ratio * 1000, each with classifier-free guidance (4.0 / 3.0). The student runs alone
@@ -55,6 +60,7 @@ import torch
 
 from distill.errors import DistillError, Stage, report
 from distill.objective import NUM_TRAIN_TIMESTEPS, add_noise, per_sample_mse
+from distill.run_settings import RunSettings, find_run_settings
 from distill.sampling import (
     compute_dtype,
     decode_latents,
@@ -69,6 +75,8 @@ from distill.sampling import (
 from distill.teacher import GuidedTeacher, TeacherInfo, resolve_dtype
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's; only for students exported without run_settings.json
 
 MAX_PSNR_DB = 100.0  # identical frames would give infinity, which JSON cannot hold
 
@@ -598,30 +606,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--student", required=True, help="The exported student folder (OUTPUT/student).")
     parser.add_argument(
-        "--teacher_path", required=True, help="The Wan 2.2 A14B teacher (diffusers folder or hub id)."
+        "--teacher_path",
+        help="The Wan 2.2 A14B teacher (diffusers folder or hub id); default: the one the student's run used.",
     )
     parser.add_argument(
         "--prompts", required=True, help="Prompt file (.txt, .jsonl or .csv), ideally held out."
     )
     parser.add_argument("--output_dir", required=True, help="Where eval.json and eval.png go.")
     defaults = EvalSettings()
-    parser.add_argument("--height", type=int, default=defaults.height)
-    parser.add_argument("--width", type=int, default=defaults.width)
+    run = "default: the student's run_settings.json, else"
+    parser.add_argument("--height", type=int, help=f"Pixels ({run} {defaults.height}).")
+    parser.add_argument("--width", type=int, help=f"Pixels ({run} {defaults.width}).")
     parser.add_argument(
-        "--num_frames", type=int, default=defaults.num_frames, help="1 = image, 4k+1 = video."
+        "--num_frames", type=int, help=f"1 = image, 4k+1 = video ({run} {defaults.num_frames})."
     )
-    parser.add_argument("--steps", type=int, default=defaults.steps, help="Sampler steps for both models.")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="Prompt i uses seed + i.")
+    parser.add_argument("--steps", type=int, help=f"Sampler steps for both models ({run} {defaults.steps}).")
+    parser.add_argument("--seed", type=int, help=f"Prompt i uses seed + i ({run} {defaults.seed}).")
     parser.add_argument("--num_buckets", type=int, default=defaults.num_buckets)
     parser.add_argument("--samples_per_bucket", type=int, default=defaults.samples_per_bucket)
-    parser.add_argument("--guidance_scale", type=float, default=defaults.guidance_scale)
-    parser.add_argument("--guidance_scale_2", type=float, default=defaults.guidance_scale_2)
+    parser.add_argument(
+        "--guidance_scale", type=float, help=f"Teacher, high-noise expert ({run} {defaults.guidance_scale})."
+    )
+    parser.add_argument(
+        "--guidance_scale_2",
+        type=float,
+        help=f"Teacher, low-noise expert ({run} {defaults.guidance_scale_2}).",
+    )
     parser.add_argument(
         "--batch_size", type=int, default=defaults.probe_batch, help="Noised inputs per forward (memory)."
     )
-    parser.add_argument("--negative_prompt", default="")
+    parser.add_argument(
+        "--negative_prompt", help="Teacher's negative prompt (default: the run's, else empty)."
+    )
     parser.add_argument("--max_prompts", type=int, default=None, help="Use only the first N prompts.")
-    parser.add_argument("--max_sequence_length", type=int, default=512)
+    parser.add_argument(
+        "--max_sequence_length",
+        type=int,
+        help=f"Prompt padding length; keep the training value ({run} {DEFAULT_MAX_SEQUENCE_LENGTH}).",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     parser.add_argument(
         "--dtype",
@@ -632,37 +654,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_sizes(height: int, width: int, num_frames: int, steps: int) -> None:
-    """Refuse sizes WanPipeline would silently round, with the flag to change."""
-    problems = []
-    for name, value in (("height", height), ("width", width)):
-        if value <= 0 or value % 16:
-            problems.append(
-                (
-                    name,
-                    f"must be a positive multiple of 16, got {value}",
-                    f"--{name} {max(16, value // 16 * 16)}",
-                )
-            )
-    if num_frames <= 0 or num_frames % 4 != 1:
-        problems.append(
-            ("num_frames", f"must be 1 or 4k+1, got {num_frames}", "--num_frames 1 (image) or 81 (video)")
+def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | None:
+    """Fill every setting left out (None) from the student's run_settings.json (else the built-in
+    defaults); returns what was found."""
+    found = find_run_settings(args.student)
+    fallback = EvalSettings()
+    if found is None:
+        logger.warning(
+            "no run_settings.json in or beside %s: using %dx%d, %d steps, max_sequence_length %d; "
+            "pass the values the student was trained with",
+            args.student,
+            fallback.height,
+            fallback.width,
+            fallback.steps,
+            DEFAULT_MAX_SEQUENCE_LENGTH,
         )
-    if steps <= 0:
-        problems.append(("steps", f"must be positive, got {steps}", "--steps 30"))
-    if problems:
-        name, problem, fix = problems[0]
-        raise DistillError(f"--{name} {problem}", fixes=[f"use {fix}"], stage=Stage.CONFIG)
+    run = found[0] if found else None
+    defaults = {
+        "teacher_path": run.teacher_path if run else None,
+        "height": run.height if run else fallback.height,
+        "width": run.width if run else fallback.width,
+        "num_frames": run.num_frames if run else fallback.num_frames,
+        "steps": run.num_inference_steps if run else fallback.steps,
+        "seed": run.sample_seed if run else fallback.seed,
+        "guidance_scale": run.teacher_guidance_scale if run else fallback.guidance_scale,
+        "guidance_scale_2": run.teacher_guidance_scale_2 if run else fallback.guidance_scale_2,
+        "negative_prompt": run.negative_prompt if run else "",
+        "max_sequence_length": run.max_sequence_length if run else DEFAULT_MAX_SEQUENCE_LENGTH,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if not args.teacher_path:
+        raise DistillError(
+            "--teacher_path is required",
+            "no run_settings.json in or beside the student names the teacher it was distilled from",
+            fixes=["pass --teacher_path models/Wan2.2-T2V-A14B-Diffusers (the teacher of the run)"],
+            stage=Stage.ARGV,
+        )
+    return found
 
 
 def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     from distill.data import read_prompts
-    from distill.generate import load_student, pick_device
-    from distill.sampling import encode_prompts
+    from distill.generate import (
+        load_student,
+        pick_device,
+        require_student_folder,
+        student_limits,
+        teacher_limits,
+        trained_size_fix,
+    )
+    from distill.sampling import check_sample_size, encode_prompts
     from distill.teacher import inspect_teacher, load_expert
 
-    check_sizes(args.height, args.width, args.num_frames, args.steps)
-    for name in ("num_buckets", "samples_per_bucket", "batch_size"):
+    student_dir = require_student_folder(args.student)
+    found = resolve_defaults(args)
+    for name in ("steps", "max_sequence_length", "num_buckets", "samples_per_bucket", "batch_size"):
         if getattr(args, name) <= 0:
             raise DistillError(
                 f"--{name} must be a positive integer, got {getattr(args, name)}",
@@ -670,7 +718,26 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
                 stage=Stage.CONFIG,
             )
     info = inspect_teacher(args.teacher_path)
-    student_dir = Path(args.student)
+    check_sample_size(
+        args.height,
+        args.width,
+        args.num_frames,
+        info.vae_scale_spatial,
+        info.vae_scale_temporal,
+        [student_limits(student_dir), teacher_limits(info)],
+        fixes=trained_size_fix(found),
+    )
+    logger.info(
+        "evaluating at %dx%d, %d frame(s), %d steps, teacher guidance %s / %s, max_sequence_length %d (%s)",
+        args.height,
+        args.width,
+        args.num_frames,
+        args.steps,
+        args.guidance_scale,
+        args.guidance_scale_2,
+        args.max_sequence_length,
+        f"defaults from {found[1]}; flags override" if found else "flags and built-in defaults",
+    )
     prompts = read_prompts(args.prompts)[: args.max_prompts]
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -8,7 +8,12 @@
 
 The student runs alone in WanPipeline with guidance 1 (one forward per step); the tokenizer,
 text encoder, VAE and scheduler come from the teacher folder. `--teacher_only` runs both teacher
-experts with their guidance (4.0 / 3.0) instead. Prompt i starts from the noise of seed `--seed + i`,
+experts with their guidance (4.0 / 3.0) instead.
+
+Every sampling flag left out comes from the run that made the student (`run_settings.json` in or
+beside the student folder): the teacher, the training resolution and frame count, the steps and
+guidance it samples with and the max_sequence_length it was trained with (the prompt padding
+changes the output). A size the model cannot handle is refused before anything loads. Prompt i starts from the noise of seed `--seed + i`,
 the same noise as `WanPipeline(..., generator=torch.Generator("cpu").manual_seed(seed + i))`.
 
 One prompt: --output is the file (.png for 1 frame, .mp4 otherwise; the suffix is added when
@@ -28,11 +33,15 @@ from typing import Any
 import torch
 
 from distill.errors import DistillError, Stage, report
+from distill.run_settings import RunSettings, find_run_settings
 from distill.sampling import (
+    SizeLimits,
+    check_sample_size,
     load_scheduler,
     load_text_components,
     load_vae,
     media_suffix,
+    scheduler_from_config,
     student_pipeline,
     teacher_pipeline,
     write_frames,
@@ -40,6 +49,11 @@ from distill.sampling import (
 from distill.teacher import TeacherInfo, resolve_dtype
 
 logger = logging.getLogger(__name__)
+
+# Used only when the student's run left no run_settings.json (an older export) or for the teacher
+# alone: WanPipeline's resolution, and this project's usual step count and guidance.
+FALLBACK = {"height": 480, "width": 832, "num_frames": 1, "steps": 30, "max_sequence_length": 512}
+TEACHER_GUIDANCE = (4.0, 3.0)
 
 
 def pick_device(name: str) -> torch.device:
@@ -66,23 +80,7 @@ def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dt
 
     from distill.student import TEACHER_EQUAL_KEYS
 
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        if folder.is_dir():
-            found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
-            details = f"{folder} has no config.json; it holds: {found}"
-        else:
-            details = f"{folder} does not exist"
-        raise DistillError(
-            f"student folder not found: {folder}",
-            details,
-            causes=["training has not finished (the student is exported at the end)", "a typo in --student"],
-            fixes=[
-                "pass the student/ (or student_ema/) folder that train_distillation.py wrote into --output_dir",
-                "or render the teacher alone with --teacher_only",
-            ],
-            stage=Stage.CONFIG,
-        )
+    folder = require_student_folder(folder)
     try:
         student = WanTransformer3DModel.from_pretrained(folder, torch_dtype=dtype)
     except Exception as exc:
@@ -106,6 +104,116 @@ def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dt
             stage=Stage.CONFIG,
         )
     return student.requires_grad_(False).eval().to(device)
+
+
+def require_student_folder(folder: str | Path) -> Path:
+    """`folder` if it holds an exported student (a config.json), else a report saying what it holds."""
+    folder = Path(folder)
+    if (folder / "config.json").is_file():
+        return folder
+    if folder.is_dir():
+        found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+        details = f"{folder} has no config.json; it holds: {found}"
+    else:
+        details = f"{folder} does not exist"
+    raise DistillError(
+        f"student folder not found: {folder}",
+        details,
+        causes=["training has not finished (the student is exported at the end)", "a typo in --student"],
+        fixes=[
+            "pass the student/ (or student_ema/) folder that train_distillation.py wrote into --output_dir",
+            "or render the teacher alone with --teacher_only",
+        ],
+        stage=Stage.CONFIG,
+    )
+
+
+def student_limits(folder: str | Path) -> SizeLimits:
+    """The student's size limits, from its config.json alone (nothing is loaded)."""
+    import json
+
+    config_file = require_student_folder(folder) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise DistillError(
+            f"cannot read {config_file}",
+            f"{type(exc).__name__}: {exc}",
+            fixes=["export the student again (a finished training run writes it)"],
+            stage=Stage.CONFIG,
+        ) from None
+    return SizeLimits.of("student", config, config_file)
+
+
+def teacher_limits(info: TeacherInfo) -> SizeLimits:
+    return SizeLimits.of("teacher", info.expert_config, info.path / "transformer" / "config.json")
+
+
+def trained_size_fix(found: tuple[RunSettings, Path] | None) -> list[str]:
+    """The first fix of a size error: the size the student was trained at, when the run says so."""
+    if found is None:
+        return []
+    settings, path = found
+    return [
+        f"sample at the size it was trained at: --height {settings.height} --width {settings.width} "
+        f"--num_frames {settings.num_frames}, or leave the size flags out (they default to {path})"
+    ]
+
+
+def describe(args: argparse.Namespace, who: str, source: str) -> str:
+    """One line naming the settings a render uses and where they came from."""
+    frames = "1 frame" if args.num_frames == 1 else f"{args.num_frames} frames"
+    return (
+        f"{who}: {args.height}x{args.width}, {frames}, {args.steps} steps, guidance {args.guidance}, "
+        f"max_sequence_length {args.max_sequence_length} ({source})"
+    )
+
+
+def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | None:
+    """Fill every sampling flag left out (None) from the student's run_settings.json; returns it.
+
+    With --teacher_only and a --student, the teacher renders at the student's training size (for
+    comparison) with the teacher's guidance of that run.
+    """
+    found = find_run_settings(args.student) if args.student else None
+    run = found[0] if found else None
+    if run is not None:
+        defaults: dict[str, Any] = {
+            "teacher_path": run.teacher_path,
+            "height": run.height,
+            "width": run.width,
+            "num_frames": run.num_frames,
+            "steps": FALLBACK["steps"] if args.teacher_only else run.num_inference_steps,
+            "guidance": run.teacher_guidance_scale if args.teacher_only else run.guidance_scale,
+            "guidance_2": run.teacher_guidance_scale_2,
+            "negative_prompt": run.negative_prompt,
+            "max_sequence_length": run.max_sequence_length,
+        }
+    else:
+        defaults = {
+            **FALLBACK,
+            "guidance": TEACHER_GUIDANCE[0] if args.teacher_only else 1.0,
+            "guidance_2": TEACHER_GUIDANCE[1],
+            "negative_prompt": "",
+        }
+        if args.student and not args.teacher_only:
+            logger.warning(
+                "no run_settings.json in or beside %s: using %dx%d, %d steps, max_sequence_length %d; "
+                "pass the values the student was trained with",
+                args.student,
+                *(FALLBACK[k] for k in ("height", "width", "steps", "max_sequence_length")),
+            )
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if not args.teacher_path:
+        raise DistillError(
+            "--teacher_path is required",
+            "no run_settings.json in or beside the student names the teacher it was distilled from",
+            fixes=["pass --teacher_path models/Wan2.2-T2V-A14B-Diffusers (the teacher of the run)"],
+            stage=Stage.ARGV,
+        )
+    return found
 
 
 def _as_list(value: Any) -> Sequence[Any]:
@@ -154,63 +262,102 @@ def collect_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> 
 
 
 def build_pipeline(
-    args: argparse.Namespace, info: TeacherInfo, device: torch.device, dtype: torch.dtype
+    args: argparse.Namespace,
+    info: TeacherInfo,
+    device: torch.device,
+    dtype: torch.dtype,
+    run: RunSettings | None = None,
 ) -> Any:
-    """WanPipeline with the teacher's shared components and the student (or both teacher experts)."""
+    """WanPipeline with the teacher's shared components and the student (or both teacher experts).
+
+    The student samples with its run's own scheduler when the run recorded one, else the teacher's.
+    """
     from distill.teacher import load_expert
 
     if not args.teacher_only:
         student = load_student(args.student, info, device, dtype)  # first: a bad --student fails fast
     tokenizer, text_encoder = load_text_components(info.path, device, dtype)
     shared = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": load_vae(info.path, device)}
-    scheduler = load_scheduler(info.path)
     if args.teacher_only:
         high = load_expert(info, "transformer", dtype).to(device)
         low = load_expert(info, "transformer_2", dtype).to(device)
-        return teacher_pipeline(high, low, info.boundary_ratio, scheduler, **shared)
+        return teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path), **shared)
+    if run is not None and run.scheduler:
+        scheduler = scheduler_from_config(run.scheduler)
+    else:
+        scheduler = load_scheduler(info.path)
     return student_pipeline(student, scheduler, **shared)
+
+
+def check_counts(args: argparse.Namespace) -> None:
+    for name in ("steps", "max_sequence_length"):
+        if getattr(args, name) <= 0:
+            raise DistillError(
+                f"--{name} must be a positive integer, got {getattr(args, name)}",
+                fixes=[f"use --{name} 1 or more (or leave it out: the run's value is the default)"],
+                stage=Stage.CONFIG,
+            )
 
 
 def generate(args: argparse.Namespace) -> list[Path]:
     """Render every prompt and write it; returns the written files."""
-    from distill.evaluate import check_sizes
     from distill.teacher import inspect_teacher
 
-    check_sizes(args.height, args.width, args.num_frames, args.steps)
     if not args.teacher_only and not args.student:
         raise DistillError(
             "--student is required",
             fixes=["pass --student OUTPUT/student, or --teacher_only"],
             stage=Stage.ARGV,
         )
+    if not args.teacher_only:
+        require_student_folder(args.student)
+    found = resolve_defaults(args)
+    check_counts(args)
     prompts = collect_prompts(args.prompt, args.prompts_file)
     targets = output_paths(args.output, len(prompts), args.num_frames)
     info = inspect_teacher(args.teacher_path)
-    device = pick_device(args.device)
-    pipe = build_pipeline(args, info, device, resolve_dtype(args.dtype, device))
-    guidance = args.guidance if args.guidance is not None else (4.0 if args.teacher_only else 1.0)
-    extra = (
-        {"guidance_scale_2": args.guidance_2 if args.guidance_2 is not None else 3.0}
-        if args.teacher_only
-        else {}
+    model = teacher_limits(info) if args.teacher_only else student_limits(args.student)
+    check_sample_size(
+        args.height,
+        args.width,
+        args.num_frames,
+        info.vae_scale_spatial,
+        info.vae_scale_temporal,
+        [model],
+        fixes=trained_size_fix(found),
     )
+    logger.info(
+        describe(
+            args,
+            "teacher" if args.teacher_only else "student",
+            f"defaults from {found[1]}; flags override" if found else "flags and built-in defaults",
+        )
+    )
+    device = pick_device(args.device)
+    pipe = build_pipeline(args, info, device, resolve_dtype(args.dtype, device), found[0] if found else None)
     written = []
     for i, (prompt, target) in enumerate(zip(prompts, targets)):
-        frames = pipe(
-            prompt=prompt,
-            negative_prompt=args.negative_prompt,
-            height=args.height,
-            width=args.width,
-            num_frames=args.num_frames,
-            num_inference_steps=args.steps,
-            guidance_scale=guidance,
-            generator=torch.Generator("cpu").manual_seed(args.seed + i),
-            output_type="np",
-            max_sequence_length=args.max_sequence_length,
-            **extra,
-        ).frames[0]
-        written.append(write_frames(frames, target))
+        written.append(write_frames(render(pipe, args, prompt, args.seed + i), target))
     return written
+
+
+def render(pipe: Any, args: argparse.Namespace, prompt: str, seed: int, output_type: str = "np") -> Any:
+    """One sample with the resolved settings of `args`: frames (F, H, W, 3) in [0, 1], or the
+    final latent with output_type="latent"."""
+    extra = {"guidance_scale_2": args.guidance_2} if args.teacher_only else {}
+    return pipe(
+        prompt=prompt,
+        negative_prompt=args.negative_prompt,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type=output_type,
+        max_sequence_length=args.max_sequence_length,
+        **extra,
+    ).frames[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,28 +369,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--student", help="The exported student folder (OUTPUT/student or OUTPUT/student_ema)."
     )
+    run = "default: the student's run_settings.json, else"
     parser.add_argument(
-        "--teacher_path", required=True, help="The Wan 2.2 A14B teacher (diffusers folder or hub id)."
+        "--teacher_path",
+        help="The Wan 2.2 A14B teacher (diffusers folder or hub id); default: the one the student's run used.",
     )
     parser.add_argument("--prompt", action="append", help="A prompt; may be given several times.")
     parser.add_argument("--prompts_file", help="More prompts, from a .txt / .jsonl / .csv file.")
     parser.add_argument("--output", required=True, help="Output file (one prompt) or folder (several).")
-    parser.add_argument("--height", type=int, default=480)
-    parser.add_argument("--width", type=int, default=832)
-    parser.add_argument("--num_frames", type=int, default=1, help="1 = image (PNG), 4k+1 = video (MP4).")
-    parser.add_argument("--steps", type=int, default=30, help="Sampler steps.")
+    parser.add_argument("--height", type=int, help=f"Pixels ({run} {FALLBACK['height']}).")
+    parser.add_argument("--width", type=int, help=f"Pixels ({run} {FALLBACK['width']}).")
+    parser.add_argument(
+        "--num_frames",
+        type=int,
+        help=f"1 = image (PNG), 4k+1 = video (MP4) ({run} {FALLBACK['num_frames']}).",
+    )
+    parser.add_argument("--steps", type=int, help=f"Sampler steps ({run} {FALLBACK['steps']}).")
     parser.add_argument("--seed", type=int, default=0, help="Prompt i uses seed + i.")
     parser.add_argument(
-        "--guidance", type=float, default=None, help="Guidance scale (default 1.0 student, 4.0 teacher)."
+        "--guidance",
+        type=float,
+        help=f"Guidance scale ({run} 1.0 for the student, {TEACHER_GUIDANCE[0]} for the teacher).",
     )
     parser.add_argument(
-        "--guidance_2", type=float, default=None, help="Teacher's low-noise guidance (default 3.0)."
+        "--guidance_2", type=float, help=f"Teacher's low-noise guidance ({run} {TEACHER_GUIDANCE[1]})."
     )
-    parser.add_argument("--negative_prompt", default="", help="Used only when guidance > 1.")
+    parser.add_argument("--negative_prompt", help="Used only when guidance > 1 (default: the run's).")
     parser.add_argument(
         "--teacher_only", action="store_true", help="Render the teacher instead of the student."
     )
-    parser.add_argument("--max_sequence_length", type=int, default=512)
+    parser.add_argument(
+        "--max_sequence_length",
+        type=int,
+        help=f"Prompt padding length; keep the training value ({run} {FALLBACK['max_sequence_length']}).",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     parser.add_argument(
         "--dtype",

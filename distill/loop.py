@@ -30,8 +30,10 @@ from distill.errors import DistillError, Progress, Stage
 from distill.faults import FaultInjector
 from distill.methods import method_class
 from distill.methods.base import BatchRandomness, MethodEnv
+from distill.model_card import document_export
 from distill.monitor import SampleMonitor
 from distill.original_layout import export_original
+from distill.run_settings import settings_from_run
 from distill.student import export_student, unwrap_model
 from distill.teacher import GuidedTeacher
 from distill.tracking import Tracker
@@ -590,19 +592,27 @@ class TrainingLoop:
                         export_original(ema_dir, self.output_dir / "student_ema_original.safetensors")
                 finally:
                     self.ema.restore(params)
-            self._write_pipeline_folder(ema_dir or student_dir, scheduler)
+            # How the student samples: the method says (dmd: its K steps and scheduler, guidance 1).
+            settings = settings_from_run(
+                self.cfg, self.distiller.info, self.step, **self.method.sampling_settings()
+            )
+            pipeline_dir = self._write_pipeline_folder(ema_dir or student_dir, settings.scheduler)
+            document_export(self.output_dir, settings, student_dir, ema_dir, pipeline_dir)
         dist_utils.barrier()
         return student_dir, ema_dir
 
-    def _write_pipeline_folder(self, student_dir: Path, scheduler: Any = None) -> None:
+    def _write_pipeline_folder(self, student_dir: Path, scheduler: dict[str, Any] | None) -> Path | None:
         """<output_dir>/pipeline/: WanPipeline.from_pretrained-ready, linking the teacher's parts (no copies)."""
         from distill.sampling import write_pipeline_folder
 
         try:
             path = write_pipeline_folder(self.output_dir, self.distiller.info.path, student_dir, scheduler)
             logger.info(
-                "WanPipeline.from_pretrained(%r) loads the student with the teacher's text encoder and VAE",
+                "WanPipeline.from_pretrained(%r) loads the student with the teacher's text encoder and VAE "
+                "(sample it as its README.md shows)",
                 str(path),
             )
+            return path
         except DistillError as exc:  # e.g. no symlinks on this file system: the student itself is fine
             logger.warning("no pipeline/ folder: %s (use python -m distill.generate instead)", exc.title)
+            return None

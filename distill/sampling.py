@@ -19,9 +19,9 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -53,6 +53,22 @@ def load_scheduler(teacher_path: str | Path) -> Any:
         "_class_name", "UniPCMultistepScheduler"
     )
     return getattr(diffusers, name).from_pretrained(folder)
+
+
+def scheduler_from_config(config: Mapping[str, Any]) -> Any:
+    """A diffusers scheduler from a config dict naming its class (`_class_name`), e.g. a
+    run_settings.json `scheduler` entry."""
+    import diffusers
+
+    name = config.get("_class_name")
+    cls = getattr(diffusers, str(name), None)
+    if cls is None or not hasattr(cls, "from_config"):
+        raise DistillError(
+            f"unknown scheduler class {name!r}",
+            fixes=["name a diffusers scheduler in `_class_name`, e.g. FlowMatchEulerDiscreteScheduler"],
+            stage=Stage.CONFIG,
+        )
+    return cls.from_config(dict(config))
 
 
 def load_vae(teacher_path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> Any:
@@ -102,6 +118,96 @@ def encode_prompts(
     result = {prompt: embed.cpu() for prompt, embed in zip(unique, embeds)}
     free(pipe, tokenizer, encoder)
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes a model can handle
+# ---------------------------------------------------------------------------------------------
+
+
+class SizeLimits(NamedTuple):
+    """What bounds the sample sizes a Wan transformer accepts, read from its config."""
+
+    name: str
+    """How messages call it: "student", "teacher"."""
+    config_file: str
+    """Where its config lives, for the message."""
+    patch_size: tuple[int, int, int]
+    rope_max_seq_len: int
+    """Positions of its rotary table per axis: more patches along any axis cannot be embedded."""
+
+    @classmethod
+    def of(cls, name: str, config: Mapping[str, Any], config_file: str | Path) -> SizeLimits:
+        # WanTransformer3DModel's own defaults for a config that leaves them out.
+        patch = tuple(config.get("patch_size") or (1, 2, 2))
+        return cls(name, str(config_file), patch, int(config.get("rope_max_seq_len") or 1024))
+
+
+def check_sample_size(
+    height: int,
+    width: int,
+    num_frames: int,
+    vae_scale_spatial: int,
+    vae_scale_temporal: int,
+    models: Sequence[SizeLimits],
+    *,
+    fixes: Sequence[str] = (),
+) -> None:
+    """Refuse a size that one of `models` cannot denoise, before anything is loaded.
+
+    WanPipeline would otherwise round a size silently (not a multiple of VAE stride x patch) or
+    crash deep inside the rotary embedding (more patches along an axis than rope_max_seq_len).
+    `fixes` come first in the message (e.g. the size the student was trained at).
+    """
+    if num_frames <= 0 or (num_frames - 1) % vae_scale_temporal:
+        raise DistillError(
+            f"--num_frames must be 1 or {vae_scale_temporal}k+1, got {num_frames}",
+            f"the Wan VAE compresses time by {vae_scale_temporal}",
+            fixes=[*fixes, "use --num_frames 1 (image) or 81 (video)"],
+            stage=Stage.CONFIG,
+        )
+    latent_frames = (num_frames - 1) // vae_scale_temporal + 1
+    for model in models:
+        p_t, p_h, p_w = model.patch_size
+        for flag, value, patch in (("height", height, p_h), ("width", width, p_w)):
+            multiple = vae_scale_spatial * patch
+            if value <= 0 or value % multiple:
+                raise DistillError(
+                    f"--{flag} must be a positive multiple of {multiple}, got {value}",
+                    f"VAE stride {vae_scale_spatial} x the {model.name}'s patch {patch} ({model.config_file})",
+                    fixes=[*fixes, f"use --{flag} {max(multiple, value // multiple * multiple)}"],
+                    stage=Stage.CONFIG,
+                )
+        axes = (
+            (
+                "num_frames",
+                num_frames,
+                latent_frames // p_t,
+                (model.rope_max_seq_len * p_t - 1) * vae_scale_temporal + 1,
+            ),
+            (
+                "height",
+                height,
+                height // vae_scale_spatial // p_h,
+                model.rope_max_seq_len * vae_scale_spatial * p_h,
+            ),
+            (
+                "width",
+                width,
+                width // vae_scale_spatial // p_w,
+                model.rope_max_seq_len * vae_scale_spatial * p_w,
+            ),
+        )
+        for flag, value, patches, largest in axes:
+            if patches > model.rope_max_seq_len:
+                raise DistillError(
+                    f"--{flag} {value} is too large for the {model.name}: {patches} patches along that axis, "
+                    f"its rope_max_seq_len is {model.rope_max_seq_len}",
+                    f"the {model.name}'s rotary position table ({model.config_file}) has "
+                    f"{model.rope_max_seq_len} positions per axis, so --{flag} can be at most {largest}",
+                    fixes=[*fixes, f"use --{flag} {largest} or less"],
+                    stage=Stage.CONFIG,
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +445,10 @@ def first_frames(files: Sequence[Path]) -> list[np.ndarray]:
 
 
 def write_pipeline_folder(
-    output_dir: str | Path, teacher_path: str | Path, student_dir: str | Path, scheduler: Any = None
+    output_dir: str | Path,
+    teacher_path: str | Path,
+    student_dir: str | Path,
+    scheduler_config: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write `<output_dir>/pipeline/` so `WanPipeline.from_pretrained(<output_dir>/pipeline)` loads the student.
 
@@ -348,7 +457,8 @@ def write_pipeline_folder(
     can be moved), and text_encoder / tokenizer / vae / scheduler -> the teacher's folders
     (absolute), so nothing of the teacher is copied. diffusers follows the links like folders.
     It stops working if the teacher folder moves; `distill.generate` keeps working then.
-    A few-step student passes its own `scheduler`, written into the folder instead of the teacher's.
+    `scheduler_config` (with `_class_name`), when given, is the student's own sampler: written into
+    pipeline/scheduler/ instead of linking the teacher's.
     """
     output_dir, student_dir = Path(output_dir), Path(student_dir)
     teacher = Path(teacher_path).resolve()
@@ -361,11 +471,12 @@ def write_pipeline_folder(
     staging.mkdir(parents=True)
     try:
         for name in SHARED_COMPONENTS:
-            if name == "scheduler" and scheduler is not None:
+            if name == "scheduler" and scheduler_config is not None:
+                scheduler = scheduler_from_config(scheduler_config)
                 scheduler.save_pretrained(staging / name)
-                index["scheduler"] = ["diffusers", type(scheduler).__name__]
-                continue
-            os.symlink(teacher / name, staging / name, target_is_directory=True)
+                index[name] = ["diffusers", type(scheduler).__name__]
+            else:
+                os.symlink(teacher / name, staging / name, target_is_directory=True)
         # Relative to where the link will live once the folder is renamed into place.
         target = os.path.relpath(student_dir.resolve(), output_dir.resolve() / "pipeline")
         os.symlink(target, staging / "transformer", target_is_directory=True)

@@ -60,17 +60,21 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 
 
-def check_resolution(cfg: TrainConfig, info: TeacherInfo) -> None:
-    multiple = info.vae_scale_spatial * info.patch_size[1]
-    for name in ("height", "width"):
-        value = getattr(cfg, name)
-        if value % multiple:
-            raise DistillError(
-                f"--{name} {value} is not a multiple of {multiple} "
-                f"(VAE stride {info.vae_scale_spatial} x patch {info.patch_size[1]})",
-                fixes=[f"use --{name} {max(multiple, value // multiple * multiple)}"],
-                stage=Stage.CONFIG,
-            )
+def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[str, Any]) -> None:
+    """Refuse a training size the teacher or the student cannot denoise (see check_sample_size)."""
+    from distill.sampling import SizeLimits, check_sample_size
+
+    check_sample_size(
+        cfg.height,
+        cfg.width,
+        cfg.num_frames,
+        info.vae_scale_spatial,
+        info.vae_scale_temporal,
+        [
+            SizeLimits.of("teacher", info.expert_config, info.path / "transformer" / "config.json"),
+            SizeLimits.of("student", student_config, cfg.student_config),
+        ],
+    )
 
 
 def prepare_output_dir(cfg: TrainConfig) -> Path:
@@ -109,7 +113,7 @@ class Distiller:
         )
         # Refuse a student that cannot work with this teacher before loading anything heavy.
         self.student_config = load_student_config(cfg.student_config, self.info.expert_config)
-        check_resolution(cfg, self.info)
+        check_resolution(cfg, self.info, self.student_config)
         self.prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]
         self.teacher_dtype = resolve_dtype(cfg.teacher_dtype, self.device)
         self.shift = cfg.flow_shift if cfg.flow_shift is not None else self.info.flow_shift

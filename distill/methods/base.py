@@ -145,3 +145,8 @@ class Method:
     def export_scheduler(self) -> Any | None:
         """The scheduler to ship with the exported student (None: the teacher's)."""
         return None
+
+    def sampling_settings(self) -> dict[str, Any]:
+        """How the exported student samples, for run_settings.json and the model card
+        (distill.run_settings.settings_from_run keywords); {} = the teacher's scheduler at guidance 1."""
+        return {}

@@ -273,3 +273,18 @@ class DmdMethod(Method):
 
     def export_scheduler(self) -> Any:
         return self.scheduler
+
+    def sampling_settings(self) -> dict[str, Any]:
+        steps = self.cfg.student_steps
+        return {
+            "method": self.name,
+            "num_inference_steps": steps,
+            "guidance_scale": 1.0,
+            "scheduler": {"_class_name": type(self.scheduler).__name__, **dict(self.scheduler.config)},
+            "scheduler_note": (
+                f"{steps} steps of FlowMatchEulerDiscreteScheduler(shift={self.cfg.student_shift}, "
+                f"stochastic_sampling=True) at timesteps {[round(float(t)) for t in self.timesteps]}: "
+                "the exact rollout the student was trained on; it re-noises from the global torch RNG, "
+                "so call torch.manual_seed(seed) first for a reproducible sample"
+            ),
+        }
