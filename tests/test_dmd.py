@@ -156,6 +156,14 @@ def test_exported_scheduler_and_stock_wan_pipeline_reproduce_the_students_k_step
     # 2 + 2 across the tiny teacher's boundary 0.875, as for A14B
     assert [t >= 875 for t in method_grid[0].tolist()] == [True, True, False, False]
 
+    settings = json.loads((result.student_dir / "run_settings.json").read_text())
+    assert (settings["method"], settings["num_inference_steps"], settings["guidance_scale"]) == (
+        "dmd",
+        4,
+        1.0,
+    )
+    assert settings["scheduler"]["_class_name"] == "FlowMatchEulerDiscreteScheduler"
+
     pipe = WanPipeline.from_pretrained(result.output_dir / "pipeline")
     pipe.set_progress_bar_config(disable=True)
     cond = torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(5))
