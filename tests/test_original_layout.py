@@ -283,23 +283,48 @@ def test_structures_the_original_format_cannot_hold_are_refused(tmp_path: Path) 
 
 
 def test_training_on_the_original_layout_matches_the_diffusers_twin(
-    original: Path, twin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    original: Path, twin: Path, tmp_path: Path
 ) -> None:
+    """Same caches, same targets, same gradients: what two code paths can promise on any CPU.
+
+    The trained weights are NOT compared: Adam divides by the root of tiny second moments, so
+    float noise of 1e-7 in the teachers' outputs moves some weights by up to lr per step (1.5e-4
+    seen after 2 steps on an AVX-512 CPU). Losses and gradient norms are smooth in the weights
+    and carry no such amplification.
+    """
     # The trainer converts into <cache_dir>/teacher, on storage every rank shares.
-    settings = dict(num_steps=2, max_prompts=2, batch_size=2)
+    settings = dict(num_steps=4, max_prompts=2, batch_size=2)
     results = [
         Distiller(
             parse_config(train_args(teacher, tmp_path / name, tmp_path / f"{name}-cache", **settings))
         ).run()
         for name, teacher in (("original", original), ("twin", twin))
     ]
-    assert [r.steps for r in results] == [2, 2]
+    assert [r.steps for r in results] == [4, 4]
     assert any((tmp_path / "original-cache" / "teacher").glob(f"*/{MARKER}"))
-    weights = [load_file(r.student_dir / "diffusion_pytorch_model.safetensors") for r in results]
-    for key, value in weights[0].items():
-        torch.testing.assert_close(
-            value, weights[1][key], rtol=0, atol=1e-6, msg=key
-        )  # bitwise equal in practice
+
+    # The prompt embeddings (text encoder) and clean latents (both experts, sampled) agree.
+    for kind in ("embeddings", "latents"):
+        files = [
+            sorted((tmp_path / f"{name}-cache" / kind).glob("*.safetensors")) for name in ("original", "twin")
+        ]
+        assert [p.name for p in files[0]] == [p.name for p in files[1]] and files[0]
+        for a, b in zip(*files):
+            torch.testing.assert_close(load_file(a)["value"], load_file(b)["value"], rtol=0, atol=1e-5)
+
+    # Step 1 is computed before any update: its loss is the teacher's target against the same
+    # initial student, its gradient norm the first gradient. Later steps follow the trajectory.
+    histories = [r.history for r in results]
+    assert [h["step"] for h in histories[0]] == [1, 2, 3, 4]
+    seen = set()
+    for ours, theirs in zip(*histories):
+        assert ours.keys() == theirs.keys()
+        rtol = 1e-5 if ours["step"] == 1 else 1e-4
+        for key in ("loss", "grad_norm", "loss_high_noise", "loss_low_noise"):
+            if key in ours:
+                seen.add(key)
+                assert ours[key] == pytest.approx(theirs[key], rel=rtol), (ours["step"], key)
+    assert {"loss_high_noise", "loss_low_noise"} <= seen  # both experts were compared
 
 
 def test_training_exports_the_original_format_on_request(tiny_teacher, shared_cache, tmp_path):
