@@ -476,6 +476,7 @@ class TrainingLoop:
         self.consumed = 0  # global samples drawn
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss or gradient
         self.skipped_steps = 0
+        self.overflowed = False  # the last step was an fp16 overflow the grad scaler skipped
         self.wandb_run_id: str | None = None
         self.faults = FaultInjector(rank=self.ctx.rank)
 
@@ -537,7 +538,7 @@ class TrainingLoop:
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
+            ckpt.restore_ema(self.ema, state["ema"], self.device)
         self.timestep_generator.set_state(state["timestep_generator"])
         self.noise_generator.set_state(state["noise_generator"].to(self.noise_generator.get_state().device))
         ckpt.restore_rng_state(state["rng"])
@@ -619,23 +620,31 @@ class TrainingLoop:
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         bad = ~torch.isfinite(step_loss)
-        if not self.scaler.is_enabled():  # with fp16 the scaler itself skips overflowing steps
-            bad = bad | ~torch.isfinite(grad_norm)
+        # With fp16, non-finite gradients under a finite loss are an overflow of the loss scale:
+        # the scaler skips the update (it saw the same infs in unscale_) and lowers the scale.
+        overflow = ~torch.isfinite(grad_norm) & ~bad
+        if not self.scaler.is_enabled():
+            bad, overflow = bad | overflow, torch.zeros_like(overflow)
         # The one per-step host sync: a bad step must be skipped on every rank alike, and a
-        # preemption signal on any rank must stop all of them at the same step, so both flags are
+        # preemption signal on any rank must stop all of them at the same step, so the flags are
         # reduced across ranks in one small collective before anything is updated.
-        flags = torch.stack([bad.float(), torch.full((), float(stop_requested), device=self.device)])
+        flags = torch.stack(
+            [bad.float(), overflow.float(), torch.full((), float(stop_requested), device=self.device)]
+        )
         if self.ctx.enabled:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        non_finite, stop = (bool(v) for v in flags.tolist())
+        non_finite, overflowed, stop = (bool(v) for v in flags.tolist())
+        self.overflowed = overflowed and not non_finite
         if non_finite:
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()
             return grad_norm, False, stop
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.overflowed:  # no update was made: the LR schedule and the EMA do not advance either
+            return grad_norm, False, stop
+        self.lr_schedule.step()
         if self.ema is not None:
             self.ema.step(params)
         return grad_norm, True, stop
@@ -702,13 +711,16 @@ class TrainingLoop:
                 while self.step < self.total_steps:
                     grad_norm, stepped, stop_now = self.train_step(batches, step_sums, stop)
                     tracker.advance()
-                    if stepped:
+                    if stepped or self.overflowed:  # an fp16 overflow's loss is finite: it counts
                         sums += step_sums
+                    if stepped:
                         self.bad_steps = 0
+                    elif self.overflowed:
+                        self._count_overflow(result)
                     else:
                         self._count_bad_step(result)
                     if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        self._log(sums, grad_norm, tracker, result)
+                        self._log(sums, grad_norm, tracker, result, skipped=not stepped)
                         if self.ctx.is_main:
                             monitor.plot_loss(self.output_dir / "metrics.jsonl", self.output_dir / "loss.png")
                     self._observe(monitor, tracker)
@@ -761,6 +773,17 @@ class TrainingLoop:
                 "all %d ranks hold identical student weights (checksum %s)", self.ctx.world_size, digest
             )
 
+    def _count_overflow(self, result: RunResult) -> None:
+        """An fp16 overflow: skipped and counted, but not a bad step (the scaler recovers by itself)."""
+        self.skipped_steps += 1
+        result.bad_steps = self.skipped_steps
+        if self.ctx.is_main:
+            logger.info(
+                "step %d skipped: fp16 gradient overflow, loss scale lowered to %g",
+                self.step,
+                self.scaler.get_scale(),
+            )
+
     def _count_bad_step(self, result: RunResult) -> None:
         self.bad_steps += 1
         self.skipped_steps += 1
@@ -791,25 +814,37 @@ class TrainingLoop:
                 stage=Stage.TRAINING,
             )
 
-    def _log(self, sums: torch.Tensor, grad_norm: torch.Tensor, tracker: Tracker, result: RunResult) -> None:
+    def _log(
+        self,
+        sums: torch.Tensor,
+        grad_norm: torch.Tensor,
+        tracker: Tracker,
+        result: RunResult,
+        skipped: bool = False,
+    ) -> None:
         dist_utils.all_reduce_sum(sums)  # every rank reaches the same logged steps
         metrics = self.metrics(sums, grad_norm)  # the host sync of a logged step
         sums.zero_()
         metrics["skipped_steps"] = float(self.skipped_steps)
+        if skipped:  # this step made no update (its grad_norm, if non-finite, is null)
+            metrics["skipped"] = True
         tracker.log(self.step, metrics)
         result.history.append({"step": self.step, **metrics})
-        if result.first_loss is None:
-            result.first_loss = metrics["loss"]
-        result.last_loss = metrics["loss"]
+        if metrics["loss"] is not None:  # null when every step since the last row was skipped
+            if result.first_loss is None:
+                result.first_loss = metrics["loss"]
+            result.last_loss = metrics["loss"]
 
-    def metrics(self, sums: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
+    def metrics(self, sums: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, Any]:
+        """Means over the steps counted since the last row; None (JSON null) where there is nothing
+        to report, never a made-up 0.0: no counted sample, or a non-finite gradient norm."""
         total, high_loss, high_n, low_loss, low_n, norm = torch.cat(
             [sums, grad_norm.reshape(1).float()]
         ).tolist()
         metrics = {
-            "loss": total / max(high_n + low_n, 1),
+            "loss": total / (high_n + low_n) if high_n + low_n else None,
             "lr": self.lr_schedule.get_last_lr()[0],
-            "grad_norm": norm,
+            "grad_norm": norm if math.isfinite(norm) else None,
         }
         if high_n:
             metrics["loss_high_noise"] = high_loss / high_n
