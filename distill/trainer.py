@@ -319,6 +319,16 @@ class Distiller:
             "student_config": self.student_config,
             "teacher": self.info.fingerprint("transformer", "transformer_2"),
             "prompts": hashlib.sha256("\n".join(self.prompts).encode()).hexdigest()[:16],
+            # What the student regresses onto: another value is another objective (as resolved,
+            # so --flow_shift 3.0 equals a teacher default of 3.0). Keys are the option names.
+            "target": {
+                "guidance_scale": self.cfg.guidance_scale,
+                "guidance_scale_2": self.cfg.guidance_scale_2,
+                "negative_prompt": self.cfg.negative_prompt,
+                "flow_shift": self.shift,
+                "boundary_ratio": self.info.boundary_ratio,
+                "max_sequence_length": self.cfg.max_sequence_length,
+            },
         }
         self._identity = json.loads(
             json.dumps(identity)
@@ -332,10 +342,15 @@ class Distiller:
             saved = meta.get("identity", {}).get(key)
             if saved == value:
                 continue
+            if key == "target" and saved is None:
+                logger.warning("checkpoint %s does not record its training target; not checked", path)
+                continue
             if isinstance(value, dict) and isinstance(saved, dict):
                 keys = sorted(k for k in set(saved) | set(value) if saved.get(k) != value.get(k))
                 saved, value = {k: saved.get(k) for k in keys}, {k: value.get(k) for k in keys}
             what = key.replace("_", " ")
+            if key == "target":  # name the options that changed
+                what = "training target: " + ", ".join(f"--{k}" for k in value)
             if self.cfg.force_resume:
                 logger.warning(
                     "resuming %s although it was made with a different %s (--force_resume)", path, what

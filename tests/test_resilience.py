@@ -456,6 +456,37 @@ def test_force_resume_loads_a_checkpoint_of_another_prompt_set(tiny_teacher, sha
     assert result.resumed_from.name == "step_00000002" and result.steps == 4
 
 
+def test_a_checkpoint_of_another_training_target_is_refused(tiny_teacher, shared_cache, tmp_path, capsys):
+    out = tmp_path / "out"
+    run_inprocess(train_args(tiny_teacher, out, shared_cache, num_steps=2))
+    before = {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")}
+    changes = [
+        ("guidance_scale", "4.0", "5.0"),
+        ("guidance_scale_2", "3.0", "1.0"),
+        ("negative_prompt", "''", "'blurry'"),
+        ("flow_shift", "3.0", "5.0"),
+        ("boundary_ratio", "0.875", "0.5"),
+        ("max_sequence_length", "512", "64"),
+    ]
+    for name, old, new in changes:
+        _refused(
+            capsys,
+            train_args(tiny_teacher, out, shared_cache, num_steps=4, **{name: new.strip("'")}),
+            9,
+            f"different training target: --{name}",
+            f"checkpoint: {{'{name}': {old}}}",
+            f"this run:   {{'{name}': {new}}}",
+            "--force_resume",
+        )
+    assert {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")} == before
+    # The resolved value is what counts: the teacher scheduler's flow_shift is 3.0.
+    assert run_inprocess(train_args(tiny_teacher, out, shared_cache, num_steps=3, flow_shift=3.0)).steps == 3
+    forced = run_inprocess(
+        train_args(tiny_teacher, out, shared_cache, num_steps=4, flow_shift=5.0, force_resume=True)
+    )
+    assert forced.resumed_from.name == "step_00000003" and forced.steps == 4
+
+
 def test_unknown_teacher_shape_still_checked(tmp_path):
     # guard: the validation above is not specific to the default tiny shape
     write_tiny_teacher(tmp_path / "t", seed=1)
