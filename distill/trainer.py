@@ -32,7 +32,7 @@ from distill.errors import DistillError, Progress, Stage
 from distill.faults import FaultInjector
 from distill.monitor import SampleMonitor, SampleSettings
 from distill.objective import add_noise, high_noise_mask, per_sample_mse, sample_sigmas, sigmas_to_timesteps
-from distill.original_layout import export_original
+from distill.original_layout import check_original_exportable, export_original
 from distill.plan import choose_placement, memory_plan
 from distill.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
 from distill.student import (
@@ -139,6 +139,12 @@ class Distiller:
         )
         # Refuse a student that cannot work with this teacher before loading anything heavy.
         self.student_config = load_student_config(cfg.student_config, self.info.expert_config)
+        if "original" in cfg.export_formats.split(","):  # refused now, not after training
+            check_original_exportable(
+                self.student_config,
+                f"the student of {cfg.student_config} (--export_formats original)",
+                Stage.CONFIG,
+            )
         check_resolution(cfg, self.info)
         self.prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]
         self.teacher_dtype = resolve_dtype(cfg.teacher_dtype, self.device)

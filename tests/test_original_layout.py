@@ -282,6 +282,56 @@ def test_structures_the_original_format_cannot_hold_are_refused(tmp_path: Path) 
     assert not any(tmp_path.iterdir())
 
 
+def _wide_patch_expert() -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 4, 4),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        text_dim=32,
+        ffn_dim=32,
+        num_layers=1,
+    )
+
+
+def test_a_patch_size_other_than_1_2_2_is_refused_at_export(tmp_path: Path) -> None:
+    """WanModel builds patch (1, 2, 2) whatever its config.json says; other weights do not load."""
+    student = _wide_patch_expert()
+    student.save_pretrained(tmp_path / "student")
+    for source in (student, tmp_path / "student"):  # a model, or its folder (patch_size as a list)
+        with pytest.raises(DistillError, match="original Wan format") as caught:
+            export_original(source, tmp_path / "student_original.safetensors")
+        assert "'patch_size': (1, 4, 4)" in caught.value.details
+        assert any("patch_size [1, 2, 2]" in fix for fix in caught.value.fixes)
+    assert not (tmp_path / "student_original.safetensors").exists()
+
+
+def test_a_patch_size_the_original_format_cannot_hold_is_refused_before_training(
+    tiny_teacher: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from train_distillation import main
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_teacher, teacher)
+    for expert in ("transformer", "transformer_2"):  # a teacher (and so a student) with patch (1, 4, 4)
+        shutil.rmtree(teacher / expert)
+        _wide_patch_expert().save_pretrained(teacher / expert)
+    config = json.loads((Path(__file__).parents[1] / "config" / "student_tiny.json").read_text())
+    student_config = tmp_path / "student.json"
+    student_config.write_text(json.dumps({**config, "patch_size": [1, 4, 4]}))
+    common = dict(student_config=student_config, height=32, width=32)
+    args = train_args(
+        teacher, tmp_path / "out", tmp_path / "cache", export_formats="diffusers,original", **common
+    )
+    assert main([str(a) for a in args]) == Stage.CONFIG
+    err = capsys.readouterr().err
+    assert f"the student of {student_config} (--export_formats original) cannot be written" in err
+    assert "'patch_size': (1, 4, 4)" in err and "--export_formats diffusers" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+    # the same run without the original format is valid
+    args = train_args(teacher, tmp_path / "out", tmp_path / "cache", dry_run=True, **common)
+    assert main([str(a) for a in args]) == 0
+
+
 def test_training_on_the_original_layout_matches_the_diffusers_twin(
     original: Path, twin: Path, tmp_path: Path
 ) -> None:
