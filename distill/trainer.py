@@ -604,7 +604,7 @@ class TrainingLoop:
         # (the previous step's optimizer, then the teacher), leaving the GPU idle while the host
         # catches up with its kernel launches.
         timesteps_device = timesteps.to(self.device, non_blocking=True)
-        x_t = add_noise(x0, noise.to(x0.dtype), sigmas.to(self.device, non_blocking=True))
+        x_t = add_noise(x0, noise.to(x0.dtype), sigmas.to(self.device, torch.float32, non_blocking=True))
         target = self.teacher.velocity(x_t, timesteps, cond, self.negative, experts_needed)
         no_sync = self.model.no_sync if (self.ctx.enabled and not sync) else contextlib.nullcontext
         with no_sync():
