@@ -84,8 +84,9 @@ class Tracker:
     def advance(self, steps: int = 1) -> None:
         self.bar.update(steps)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Record one logged step everywhere. `metrics` are plain floats (already synced)."""
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record one logged step everywhere. `metrics` are plain floats (already synced), None
+        where a skipped step has nothing to report."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -95,10 +96,13 @@ class Tracker:
         record = {"step": step, **metrics}
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
-        self.bar.set_postfix(loss=f"{metrics['loss']:.4g}", lr=f"{metrics['lr']:.2e}", refresh=False)
+        loss = metrics.get("loss")
+        shown = "skipped" if loss is None else f"{loss:.4g}"
+        self.bar.set_postfix(loss=shown, lr=f"{metrics['lr']:.2e}", refresh=False)
         if self.run is not None:
             try:
-                self.run.log(metrics, step=step)
+                # null means "nothing to report" (a skipped step): wandb gets no point, not a zero
+                self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
             except Exception as exc:
                 logger.warning(
                     "wandb logging failed (%s: %s); continuing without wandb", type(exc).__name__, exc

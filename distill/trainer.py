@@ -33,7 +33,7 @@ from distill.faults import FaultInjector
 from distill.model_card import document_export
 from distill.monitor import SampleMonitor, SampleSettings
 from distill.objective import add_noise, high_noise_mask, per_sample_mse, sample_sigmas, sigmas_to_timesteps
-from distill.original_layout import export_original
+from distill.original_layout import check_original_exportable, export_original
 from distill.plan import choose_placement, memory_plan
 from distill.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
 from distill.run_settings import settings_from_run
@@ -145,6 +145,12 @@ class Distiller:
         )
         # Refuse a student that cannot work with this teacher before loading anything heavy.
         self.student_config = load_student_config(cfg.student_config, self.info.expert_config)
+        if "original" in cfg.export_formats.split(","):  # refused now, not after training
+            check_original_exportable(
+                self.student_config,
+                f"the student of {cfg.student_config} (--export_formats original)",
+                Stage.CONFIG,
+            )
         check_resolution(cfg, self.info, self.student_config)
         self.prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]
         self.teacher_dtype = resolve_dtype(cfg.teacher_dtype, self.device)
@@ -325,6 +331,16 @@ class Distiller:
             "student_config": self.student_config,
             "teacher": self.info.fingerprint("transformer", "transformer_2"),
             "prompts": hashlib.sha256("\n".join(self.prompts).encode()).hexdigest()[:16],
+            # What the student regresses onto: another value is another objective (as resolved,
+            # so --flow_shift 3.0 equals a teacher default of 3.0). Keys are the option names.
+            "target": {
+                "guidance_scale": self.cfg.guidance_scale,
+                "guidance_scale_2": self.cfg.guidance_scale_2,
+                "negative_prompt": self.cfg.negative_prompt,
+                "flow_shift": self.shift,
+                "boundary_ratio": self.info.boundary_ratio,
+                "max_sequence_length": self.cfg.max_sequence_length,
+            },
         }
         self._identity = json.loads(
             json.dumps(identity)
@@ -338,10 +354,15 @@ class Distiller:
             saved = meta.get("identity", {}).get(key)
             if saved == value:
                 continue
+            if key == "target" and saved is None:
+                logger.warning("checkpoint %s does not record its training target; not checked", path)
+                continue
             if isinstance(value, dict) and isinstance(saved, dict):
                 keys = sorted(k for k in set(saved) | set(value) if saved.get(k) != value.get(k))
                 saved, value = {k: saved.get(k) for k in keys}, {k: value.get(k) for k in keys}
             what = key.replace("_", " ")
+            if key == "target":  # name the options that changed
+                what = "training target: " + ", ".join(f"--{k}" for k in value)
             if self.cfg.force_resume:
                 logger.warning(
                     "resuming %s although it was made with a different %s (--force_resume)", path, what
@@ -482,6 +503,7 @@ class TrainingLoop:
         self.consumed = 0  # global samples drawn
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss or gradient
         self.skipped_steps = 0
+        self.overflowed = False  # the last step was an fp16 overflow the grad scaler skipped
         self.wandb_run_id: str | None = None
         self.faults = FaultInjector(rank=self.ctx.rank)
 
@@ -543,7 +565,7 @@ class TrainingLoop:
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
+            ckpt.restore_ema(self.ema, state["ema"], self.device)
         self.timestep_generator.set_state(state["timestep_generator"])
         self.noise_generator.set_state(state["noise_generator"].to(self.noise_generator.get_state().device))
         ckpt.restore_rng_state(state["rng"])
@@ -588,7 +610,7 @@ class TrainingLoop:
         # (the previous step's optimizer, then the teacher), leaving the GPU idle while the host
         # catches up with its kernel launches.
         timesteps_device = timesteps.to(self.device, non_blocking=True)
-        x_t = add_noise(x0, noise.to(x0.dtype), sigmas.to(self.device, non_blocking=True))
+        x_t = add_noise(x0, noise.to(x0.dtype), sigmas.to(self.device, torch.float32, non_blocking=True))
         target = self.teacher.velocity(x_t, timesteps, cond, self.negative, experts_needed)
         no_sync = self.model.no_sync if (self.ctx.enabled and not sync) else contextlib.nullcontext
         with no_sync():
@@ -625,23 +647,31 @@ class TrainingLoop:
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         bad = ~torch.isfinite(step_loss)
-        if not self.scaler.is_enabled():  # with fp16 the scaler itself skips overflowing steps
-            bad = bad | ~torch.isfinite(grad_norm)
+        # With fp16, non-finite gradients under a finite loss are an overflow of the loss scale:
+        # the scaler skips the update (it saw the same infs in unscale_) and lowers the scale.
+        overflow = ~torch.isfinite(grad_norm) & ~bad
+        if not self.scaler.is_enabled():
+            bad, overflow = bad | overflow, torch.zeros_like(overflow)
         # The one per-step host sync: a bad step must be skipped on every rank alike, and a
-        # preemption signal on any rank must stop all of them at the same step, so both flags are
+        # preemption signal on any rank must stop all of them at the same step, so the flags are
         # reduced across ranks in one small collective before anything is updated.
-        flags = torch.stack([bad.float(), torch.full((), float(stop_requested), device=self.device)])
+        flags = torch.stack(
+            [bad.float(), overflow.float(), torch.full((), float(stop_requested), device=self.device)]
+        )
         if self.ctx.enabled:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        non_finite, stop = (bool(v) for v in flags.tolist())
+        non_finite, overflowed, stop = (bool(v) for v in flags.tolist())
+        self.overflowed = overflowed and not non_finite
         if non_finite:
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()
             return grad_norm, False, stop
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.lr_schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.overflowed:  # no update was made: the LR schedule and the EMA do not advance either
+            return grad_norm, False, stop
+        self.lr_schedule.step()
         if self.ema is not None:
             self.ema.step(params)
         return grad_norm, True, stop
@@ -708,13 +738,16 @@ class TrainingLoop:
                 while self.step < self.total_steps:
                     grad_norm, stepped, stop_now = self.train_step(batches, step_sums, stop)
                     tracker.advance()
-                    if stepped:
+                    if stepped or self.overflowed:  # an fp16 overflow's loss is finite: it counts
                         sums += step_sums
+                    if stepped:
                         self.bad_steps = 0
+                    elif self.overflowed:
+                        self._count_overflow(result)
                     else:
                         self._count_bad_step(result)
                     if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        self._log(sums, grad_norm, tracker, result)
+                        self._log(sums, grad_norm, tracker, result, skipped=not stepped)
                         if self.ctx.is_main:
                             monitor.plot_loss(self.output_dir / "metrics.jsonl", self.output_dir / "loss.png")
                     self._observe(monitor, tracker)
@@ -767,6 +800,17 @@ class TrainingLoop:
                 "all %d ranks hold identical student weights (checksum %s)", self.ctx.world_size, digest
             )
 
+    def _count_overflow(self, result: RunResult) -> None:
+        """An fp16 overflow: skipped and counted, but not a bad step (the scaler recovers by itself)."""
+        self.skipped_steps += 1
+        result.bad_steps = self.skipped_steps
+        if self.ctx.is_main:
+            logger.info(
+                "step %d skipped: fp16 gradient overflow, loss scale lowered to %g",
+                self.step,
+                self.scaler.get_scale(),
+            )
+
     def _count_bad_step(self, result: RunResult) -> None:
         self.bad_steps += 1
         self.skipped_steps += 1
@@ -797,25 +841,37 @@ class TrainingLoop:
                 stage=Stage.TRAINING,
             )
 
-    def _log(self, sums: torch.Tensor, grad_norm: torch.Tensor, tracker: Tracker, result: RunResult) -> None:
+    def _log(
+        self,
+        sums: torch.Tensor,
+        grad_norm: torch.Tensor,
+        tracker: Tracker,
+        result: RunResult,
+        skipped: bool = False,
+    ) -> None:
         dist_utils.all_reduce_sum(sums)  # every rank reaches the same logged steps
         metrics = self.metrics(sums, grad_norm)  # the host sync of a logged step
         sums.zero_()
         metrics["skipped_steps"] = float(self.skipped_steps)
+        if skipped:  # this step made no update (its grad_norm, if non-finite, is null)
+            metrics["skipped"] = True
         tracker.log(self.step, metrics)
         result.history.append({"step": self.step, **metrics})
-        if result.first_loss is None:
-            result.first_loss = metrics["loss"]
-        result.last_loss = metrics["loss"]
+        if metrics["loss"] is not None:  # null when every step since the last row was skipped
+            if result.first_loss is None:
+                result.first_loss = metrics["loss"]
+            result.last_loss = metrics["loss"]
 
-    def metrics(self, sums: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
+    def metrics(self, sums: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, Any]:
+        """Means over the steps counted since the last row; None (JSON null) where there is nothing
+        to report, never a made-up 0.0: no counted sample, or a non-finite gradient norm."""
         total, high_loss, high_n, low_loss, low_n, norm = torch.cat(
             [sums, grad_norm.reshape(1).float()]
         ).tolist()
         metrics = {
-            "loss": total / max(high_n + low_n, 1),
+            "loss": total / (high_n + low_n) if high_n + low_n else None,
             "lr": self.lr_schedule.get_last_lr()[0],
-            "grad_norm": norm,
+            "grad_norm": norm if math.isfinite(norm) else None,
         }
         if high_n:
             metrics["loss_high_noise"] = high_loss / high_n
