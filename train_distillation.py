@@ -108,7 +108,10 @@ def run(argv: list[str]) -> int:
         print(f"stopped by {result.stopped_by_signal} at step {result.steps}; checkpoint saved.")
         print("rerun the same command (with --resume auto, the default) to continue.")
         return EXIT_PREEMPTED
-    print(f"done: {result.steps} steps, loss {result.first_loss:.4g} -> {result.last_loss:.4g}")
+    if result.last_loss is None:  # every logged step of this run was skipped
+        print(f"done: {result.steps} steps, no loss logged (skipped steps: {result.bad_steps})")
+    else:
+        print(f"done: {result.steps} steps, loss {result.first_loss:.4g} -> {result.last_loss:.4g}")
     print(f"student (diffusers format): {result.student_dir}")
     if result.ema_dir:
         print(f"EMA student:               {result.ema_dir}")

@@ -175,3 +175,13 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def restore_ema(ema: Any, state: dict[str, Any], device: torch.device) -> None:
+    """Load an `EMAModel` state read from a checkpoint and move its shadow weights to `device`.
+
+    Checkpoints load onto the CPU (map_location) and `EMAModel.load_state_dict` keeps the tensors
+    where they are, so without the move the first `ema.step` on a GPU mixes CPU and CUDA tensors.
+    """
+    ema.load_state_dict(state)
+    ema.to(device=device)

@@ -194,7 +194,9 @@ class TrainConfig:
         "(also student_original.safetensors with Wan's own key names, for Wan's code and ComfyUI).",
     )
     force_resume: bool = _opt(
-        False, "Resume even if the checkpoint was made with another student config, teacher or prompts."
+        False,
+        "Resume even if the checkpoint was made with another student config, teacher, prompts or "
+        "training target (guidance, negative prompt, flow shift, boundary ratio, max_sequence_length).",
     )
     wandb_project: str | None = _opt(None, "Log to this wandb project (nothing is sent to wandb without it).")
     wandb_mode: str = _opt(

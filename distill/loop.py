@@ -58,7 +58,7 @@ class RunResult:
     resumed_from: Path | None = None
     stopped_by_signal: str | None = None
     bad_steps: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 class StopRequest:
@@ -176,6 +176,7 @@ class TrainingLoop:
         self.consumed = 0  # global samples drawn
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss or gradient
         self.skipped_steps = 0
+        self.overflowed = False  # the last step skipped an update for an fp16 overflow (and nothing worse)
         self.wandb_run_id: str | None = None
         self.faults = FaultInjector(rank=self.ctx.rank)
 
@@ -254,7 +255,7 @@ class TrainingLoop:
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
+            ckpt.restore_ema(self.ema, state["ema"], self.device)
         self.timestep_generator.set_state(state["timestep_generator"])
         self.noise_generator.set_state(state["noise_generator"].to(self.noise_generator.get_state().device))
         ckpt.restore_rng_state(state["rng"])
@@ -325,35 +326,44 @@ class TrainingLoop:
 
     def optimizer_step(
         self, update: str, step_loss: torch.Tensor, stop_requested: bool
-    ) -> tuple[torch.Tensor, bool, bool]:
+    ) -> tuple[torch.Tensor, str, bool]:
         """Clip and step the model of `update`, unless loss or gradient is non-finite.
-        Returns (grad norm, stepped, stop on all ranks)."""
+
+        Returns (grad norm, outcome, stop on all ranks); outcome is "stepped", "overflow" (fp16: the
+        grad scaler skipped the update and lowered its scale) or "non_finite"."""
         optimizer, scaler = self.optimizers[update], self.scalers[update]
         scaler.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         bad = ~torch.isfinite(step_loss)
-        if not scaler.is_enabled():  # with fp16 the scaler itself skips overflowing steps
-            bad = bad | ~torch.isfinite(grad_norm)
-        # The one per-update host sync: a bad step must be skipped on every rank alike, and a
-        # preemption signal on any rank must stop all of them at the same step, so both flags are
+        # With fp16, non-finite gradients under a finite loss are an overflow of the loss scale:
+        # the scaler skips the update (it saw the same infs in unscale_) and lowers the scale.
+        overflow = ~torch.isfinite(grad_norm) & ~bad
+        if not scaler.is_enabled():
+            bad, overflow = bad | overflow, torch.zeros_like(overflow)
+        # The one per-update host sync: a bad update must be skipped on every rank alike, and a
+        # preemption signal on any rank must stop all of them at the same step, so the flags are
         # reduced across ranks in one small collective before anything is updated.
-        flags = torch.stack([bad.float(), torch.full((), float(stop_requested), device=self.device)])
+        flags = torch.stack(
+            [bad.float(), overflow.float(), torch.full((), float(stop_requested), device=self.device)]
+        )
         if self.ctx.enabled:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        non_finite, stop = (bool(v) for v in flags.tolist())
+        non_finite, overflowed, stop = (bool(v) for v in flags.tolist())
         if non_finite:
             optimizer.zero_grad(set_to_none=True)
             scaler.update()
-            return grad_norm, False, stop
+            return grad_norm, "non_finite", stop
         scaler.step(optimizer)
         scaler.update()
-        self.lr_schedules[update].step()
         optimizer.zero_grad(set_to_none=True)
+        if overflowed:  # no update was made: the LR schedule and the EMA do not advance either
+            return grad_norm, "overflow", stop
+        self.lr_schedules[update].step()
         if update == "student" and self.ema is not None:
             self.ema.step(params)
-        return grad_norm, True, stop
+        return grad_norm, "stepped", stop
 
     def train_step(
         self, batches: Iterator[dict[str, torch.Tensor]], stop: StopRequest | None = None
@@ -362,14 +372,16 @@ class TrainingLoop:
         --critic_updates steps the student first), each over `gradient_accumulation_steps` micro-batches.
 
         Returns (grad norm per update, whether every update stepped, stop on all ranks). `stop` is read
-        just before each update, so a signal that arrives during the step stops at its end.
+        just before each update, so a signal that arrives during the step stops at its end. A step
+        that did not step every update sets `self.overflowed` when only fp16 overflows held it back.
         """
         cfg = self.cfg
         next_step = self.step + 1
         Progress.enter(Stage.TRAINING, next_step)
         self.faults.before_step(next_step)
         norms: dict[str, torch.Tensor] = {}
-        all_stepped, stop_all = True, False
+        outcomes: list[str] = []
+        stop_all = False
         for update in self.method.updates(next_step):
             if update in self.step_sums:
                 self.step_sums[update].zero_()
@@ -379,14 +391,17 @@ class TrainingLoop:
                 self.consumed += cfg.batch_size * self.ctx.world_size
             self.window_updates[update] = self.window_updates.get(update, 0) + 1
             requested = stop is not None and stop.signal_name is not None
-            norms[update], stepped, stop_now = self.optimizer_step(
+            norms[update], outcome, stop_now = self.optimizer_step(
                 update, self.step_sums[update][0], requested
             )
-            all_stepped, stop_all = all_stepped and stepped, stop_all or stop_now
-            if stepped:
+            outcomes.append(outcome)
+            stop_all = stop_all or stop_now
+            if outcome != "non_finite":  # an fp16 overflow's loss is finite: it counts
                 self.window_sums[update] += self.step_sums[update]
         self.grad_norms.update(norms)
         self.step = next_step
+        all_stepped = all(outcome == "stepped" for outcome in outcomes)
+        self.overflowed = "overflow" in outcomes and "non_finite" not in outcomes
         return norms, all_stepped, stop_all
 
     def make_loader(self) -> torch.utils.data.DataLoader:
@@ -428,10 +443,12 @@ class TrainingLoop:
                     tracker.advance()
                     if stepped:
                         self.bad_steps = 0
+                    elif self.overflowed:
+                        self._count_overflow(result)
                     else:
                         self._count_bad_step(result)
                     if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        self._log(tracker, result)
+                        self._log(tracker, result, skipped=not stepped)
                         if self.ctx.is_main:
                             monitor.plot_loss(self.output_dir / "metrics.jsonl", self.output_dir / "loss.png")
                     self._observe(monitor, tracker)
@@ -491,6 +508,18 @@ class TrainingLoop:
                 digest,
             )
 
+    def _count_overflow(self, result: RunResult) -> None:
+        """An fp16 overflow: skipped and counted, but not a bad step (the scaler recovers by itself)."""
+        self.skipped_steps += 1
+        result.bad_steps = self.skipped_steps
+        if self.ctx.is_main:
+            scales = ", ".join(
+                f"{name} {scaler.get_scale():g}"
+                for name, scaler in self.scalers.items()
+                if scaler.is_enabled()
+            )
+            logger.info("step %d skipped: fp16 gradient overflow, loss scale lowered (%s)", self.step, scales)
+
     def _count_bad_step(self, result: RunResult) -> None:
         self.bad_steps += 1
         self.skipped_steps += 1
@@ -521,7 +550,7 @@ class TrainingLoop:
                 stage=Stage.TRAINING,
             )
 
-    def _log(self, tracker: Tracker, result: RunResult) -> None:
+    def _log(self, tracker: Tracker, result: RunResult, skipped: bool = False) -> None:
         names = sorted(self.window_sums)
         sums = (
             torch.cat([self.window_sums[n] for n in names]) if names else torch.zeros(0, device=self.device)
@@ -534,17 +563,21 @@ class TrainingLoop:
         metrics = self.metrics(names, values)
         self.window_updates.clear()
         metrics["skipped_steps"] = float(self.skipped_steps)
+        if skipped:  # this step did not make every update (a non-finite grad_norm is null)
+            metrics["skipped"] = True
         tracker.log(self.step, metrics)
         result.history.append({"step": self.step, **metrics})
-        if "loss" in metrics:
+        if metrics.get("loss") is not None:  # null when every update since the last row was skipped
             if result.first_loss is None:
                 result.first_loss = metrics["loss"]
             result.last_loss = metrics["loss"]
 
-    def metrics(self, names: list[str], values: list[float]) -> dict[str, float]:
+    def metrics(self, names: list[str], values: list[float]) -> dict[str, Any]:
         """Per update: loss (total and per expert range), lr, grad norm and its extras, named with the
-        method's prefix (the student's update unprefixed: loss, lr, grad_norm, ...)."""
-        metrics: dict[str, float] = {}
+        method's prefix (the student's update unprefixed: loss, lr, grad_norm, ...): means over the
+        updates counted since the last row; None (JSON null) where there is nothing to report, never
+        a made-up 0.0: no counted sample, or a non-finite gradient norm."""
+        metrics: dict[str, Any] = {}
         offset = 0
         norms = values[sum(len(self.window_sums[n]) for n in names) :]
         for index, name in enumerate(names):
@@ -555,9 +588,9 @@ class TrainingLoop:
             count = high_n + low_n
             if not self.window_updates.get(name):
                 continue  # not due in this window (dmd: no generator update since the last log)
-            metrics[f"{prefix}loss"] = total / max(count, 1)
+            metrics[f"{prefix}loss"] = total / count if count else None
             metrics[f"{prefix}lr"] = self.lr_schedules[name].get_last_lr()[0]
-            metrics[f"{prefix}grad_norm"] = norms[index]
+            metrics[f"{prefix}grad_norm"] = norms[index] if math.isfinite(norms[index]) else None
             if high_n:
                 metrics[f"{prefix}loss_high_noise"] = high_loss / high_n
             if low_n:

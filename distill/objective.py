@@ -1,8 +1,8 @@
 """The distillation objective as pure tensor functions: timesteps, noising, guidance, loss.
 
 Conventions follow Wan's flow matching (and diffusers' WanPipeline): sigma in [0, 1], timestep
-t = 1000 * sigma, x_t = (1 - sigma) * x0 + sigma * noise, and the models predict the velocity
-noise - x0. The schedule is shifted towards high noise exactly as Wan's sampler shifts it.
+t = floor(1000 * sigma) as an integer (what WanPipeline's UniPC scheduler feeds the models),
+x_t = (1 - sigma) * x0 + sigma * noise, and the models predict the velocity noise - x0. The schedule is shifted towards high noise exactly as Wan's sampler shifts it.
 """
 
 from __future__ import annotations
@@ -21,15 +21,20 @@ def sample_sigmas(batch_size: int, shift: float, generator: torch.Generator) -> 
     """Draw training sigmas on the CPU: uniform in (0, 1), then shifted like the teacher's sampler.
 
     Drawn on the CPU on purpose: routing samples to experts then needs no device-to-host sync.
+    Float64, like the scheduler's own sigmas: the timestep is taken from these (sigmas_to_timesteps)
+    and x_t from their float32 rounding (add_noise), exactly as WanPipeline does.
     """
     uniform = torch.rand(batch_size, generator=generator, dtype=torch.float64)
     # Keep away from the exact ends, where x_t is pure data or pure noise and t is out of range.
     uniform = uniform.clamp(1e-4, 1.0 - 1e-4)
-    return shift_sigmas(uniform, shift).to(torch.float32)
+    return shift_sigmas(uniform, shift)
 
 
 def sigmas_to_timesteps(sigmas: torch.Tensor) -> torch.Tensor:
-    return sigmas * NUM_TRAIN_TIMESTEPS
+    """Integer timesteps floor(1000 * sigma), as UniPCMultistepScheduler.set_timesteps casts them
+    (float64 sigmas times 1000, then int64). Give float64 sigmas to match it exactly: a float32
+    sigma can round across an integer (0.334 -> 334.0 where the scheduler has 333)."""
+    return (sigmas.double() * NUM_TRAIN_TIMESTEPS).to(torch.int64)
 
 
 def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:

@@ -594,26 +594,48 @@ def expert_config_from_original(config: Mapping[str, Any], shapes: Mapping[str, 
     }
 
 
-def original_expert_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The original WanModel config.json for a WanTransformer3DModel config, refusing what WanModel
-    cannot express (it always has q/k RMS norms and a cross-attention norm, and no image input)."""
-    import diffusers
+def original_unsupported(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of a WanTransformer3DModel config that WanModel cannot express, with their values.
 
+    WanModel always has q/k RMS norms and a cross-attention norm, no image input, and patch size
+    (1, 2, 2): patch_size is not in its config.json, so Wan's code builds (1, 2, 2) and then
+    refuses other weights (head.head.bias expected [64]).
+    """
+    patch = config.get("patch_size")
     unsupported = {
         "qk_norm": (config.get("qk_norm"), "rms_norm_across_heads"),
         "cross_attn_norm": (config.get("cross_attn_norm"), True),
         "image_dim": (config.get("image_dim"), None),
         "added_kv_proj_dim": (config.get("added_kv_proj_dim"), None),
         "pos_embed_seq_len": (config.get("pos_embed_seq_len"), None),
+        "patch_size": (tuple(patch) if isinstance(patch, list | tuple) else patch, (1, 2, 2)),
     }
-    wrong = {k: have for k, (have, want) in unsupported.items() if have != want}
+    return {k: have for k, (have, want) in unsupported.items() if have != want}
+
+
+def check_original_exportable(
+    config: Mapping[str, Any], where: str = "this model", stage: Stage = Stage.CHECKPOINT
+) -> None:
+    """Refuse a model the original Wan format cannot hold (see original_unsupported)."""
+    wrong = original_unsupported(config)
     if wrong:
+        fixes = ["export it in the diffusers format only (--export_formats diffusers)"]
+        if "patch_size" in wrong:
+            fixes.append("or use patch_size [1, 2, 2], the only one WanModel builds")
         raise DistillError(
-            "this model cannot be written in the original Wan format",
+            f"{where} cannot be written in the original Wan format",
             f"WanModel has no equivalent of {wrong}",
-            fixes=["export it in the diffusers format only (--export_formats diffusers)"],
-            stage=Stage.CHECKPOINT,
+            fixes=fixes,
+            stage=stage,
         )
+
+
+def original_expert_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The original WanModel config.json for a WanTransformer3DModel config, refusing what WanModel
+    cannot express."""
+    import diffusers
+
+    check_original_exportable(config)
     heads, head_dim = int(config["num_attention_heads"]), int(config["attention_head_dim"])
     return {
         "_class_name": "WanModel",

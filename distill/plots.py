@@ -78,7 +78,7 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
         ("loss_low_noise", "low-noise range (transformer_2)", "tab:blue"),
     )
     for key, label, color in series:
-        points = [(r["step"], r[key]) for r in rows if key in r and r[key] > 0]
+        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and r[key] > 0]
         if points:
             steps, values = zip(*points)
             ax.plot(steps, values, label=label, color=color, linewidth=1.5 if key == "loss" else 1.0)

@@ -84,8 +84,9 @@ class Tracker:
     def advance(self, steps: int = 1) -> None:
         self.bar.update(steps)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Record one logged step everywhere. `metrics` are plain floats (already synced)."""
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record one logged step everywhere. `metrics` are plain floats (already synced), None
+        where a skipped step has nothing to report."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -95,14 +96,19 @@ class Tracker:
         record = {"step": step, **metrics}
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
-        # A dmd step without a generator update has only the critic's numbers.
-        shown = {k: f"{metrics[k]:.4g}" for k in ("loss", "critic_loss") if k in metrics}
+        # A dmd step without a generator update has only the critic's numbers; null = skipped.
+        shown = {
+            k: "skipped" if metrics[k] is None else f"{metrics[k]:.4g}"
+            for k in ("loss", "critic_loss")
+            if k in metrics
+        }
         self.bar.set_postfix(
             shown, lr=f"{metrics.get('lr', metrics.get('critic_lr', 0.0)):.2e}", refresh=False
         )
         if self.run is not None:
             try:
-                self.run.log(metrics, step=step)
+                # null means "nothing to report" (a skipped step): wandb gets no point, not a zero
+                self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
             except Exception as exc:
                 logger.warning(
                     "wandb logging failed (%s: %s); continuing without wandb", type(exc).__name__, exc

@@ -26,6 +26,7 @@ from distill.errors import DistillError, Progress, Stage
 from distill.loop import RunResult, TrainingLoop
 from distill.methods import method_class
 from distill.monitor import SampleMonitor, SampleSettings
+from distill.original_layout import check_original_exportable
 from distill.plan import choose_placement, memory_plan
 from distill.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
 from distill.student import (
@@ -113,6 +114,12 @@ class Distiller:
         )
         # Refuse a student that cannot work with this teacher before loading anything heavy.
         self.student_config = load_student_config(cfg.student_config, self.info.expert_config)
+        if "original" in cfg.export_formats.split(","):  # refused now, not after training
+            check_original_exportable(
+                self.student_config,
+                f"the student of {cfg.student_config} (--export_formats original)",
+                Stage.CONFIG,
+            )
         check_resolution(cfg, self.info, self.student_config)
         self.prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]
         self.teacher_dtype = resolve_dtype(cfg.teacher_dtype, self.device)
@@ -344,6 +351,16 @@ class Distiller:
             "student_config": self.student_config,
             "teacher": self.info.fingerprint("transformer", "transformer_2"),
             "prompts": hashlib.sha256("\n".join(self.prompts).encode()).hexdigest()[:16],
+            # What the student regresses onto: another value is another objective (as resolved,
+            # so --flow_shift 3.0 equals a teacher default of 3.0). Keys are the option names.
+            "target": {
+                "guidance_scale": self.cfg.guidance_scale,
+                "guidance_scale_2": self.cfg.guidance_scale_2,
+                "negative_prompt": self.cfg.negative_prompt,
+                "flow_shift": self.shift,
+                "boundary_ratio": self.info.boundary_ratio,
+                "max_sequence_length": self.cfg.max_sequence_length,
+            },
             "method": self.cfg.method,
             **method_class(self.cfg.method).identity(self.cfg),
         }
@@ -361,10 +378,15 @@ class Distiller:
                 saved = "velocity"  # checkpoints from before --method existed
             if saved == value:
                 continue
+            if key == "target" and saved is None:
+                logger.warning("checkpoint %s does not record its training target; not checked", path)
+                continue
             if isinstance(value, dict) and isinstance(saved, dict):
                 keys = sorted(k for k in set(saved) | set(value) if saved.get(k) != value.get(k))
                 saved, value = {k: saved.get(k) for k in keys}, {k: value.get(k) for k in keys}
             what = key.replace("_", " ")
+            if key == "target":  # name the options that changed
+                what = "training target: " + ", ".join(f"--{k}" for k in value)
             if self.cfg.force_resume:
                 logger.warning(
                     "resuming %s although it was made with a different %s (--force_resume)", path, what

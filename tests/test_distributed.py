@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, repo_pythonpath, train_args
-from safetensors.torch import load_file
 
 
 def launch(args, nproc=None):
@@ -30,9 +30,31 @@ def launch(args, nproc=None):
     return proc
 
 
+def assert_same_trajectory(
+    runs: list,
+    first_rtol: float = 1e-5,
+    rtol: float = 1e-4,
+    keys: tuple[str, ...] = ("loss", "grad_norm", "loss_high_noise", "loss_low_noise"),
+) -> None:
+    """Two code paths trained on the same global batches: equal losses and gradient norms per step.
+
+    Weights are not compared: Adam divides by the root of tiny second moments, so 1e-7 of float
+    noise (another order of reduction, another CPU's kernels) moves some weights by up to lr.
+    Step 1 is computed before any update; later steps follow the (noise-perturbed) trajectory.
+    """
+    logs = [[json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in runs]
+    assert [r["step"] for r in logs[0]] == [r["step"] for r in logs[1]] and logs[0]
+    for ours, theirs in zip(*logs):
+        assert ours.keys() == theirs.keys(), ours["step"]
+        tolerance = first_rtol if ours["step"] == 1 else rtol
+        for key in keys:
+            if key in ours:
+                assert ours[key] == pytest.approx(theirs[key], rel=tolerance), (ours["step"], key)
+
+
 def test_two_processes_match_one_process_with_the_same_global_batch(tiny_teacher, tmp_path):
     common = dict(
-        height=32, width=32, num_steps=8, lr=1e-3, log_every=2, gradient_accumulation_steps=2, ema_decay=0.9
+        height=32, width=32, num_steps=8, lr=1e-3, log_every=1, gradient_accumulation_steps=2, ema_decay=0.9
     )
     # Two ranks build the caches, each its share; the single process then finds them complete.
     two = launch(
@@ -40,19 +62,11 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tiny_teacher
     )
     one = launch(train_args(tiny_teacher, tmp_path / "one", tmp_path / "cache", batch_size=4, **common))
     assert "encoding" in two.stderr and "encoding" not in one.stderr  # caches reused across world sizes
-
-    for name in ("student", "student_ema"):
-        a = load_file(str(tmp_path / "one" / name / "diffusion_pytorch_model.safetensors"))
-        b = load_file(str(tmp_path / "two" / name / "diffusion_pytorch_model.safetensors"))
-        worst = max((a[k] - b[k]).abs().max().item() for k in a)
-        assert worst < 5e-5, (name, worst)  # float tolerance: only the order of reductions differs
-    logs = [
-        [json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-        for d in ("one", "two")
-    ]
-    assert [r["step"] for r in logs[0]] == [r["step"] for r in logs[1]] == [2, 4, 6, 8]
-    for single, ddp in zip(*logs):
-        assert abs(single["loss"] - ddp["loss"]) < 1e-5  # the logged loss is the mean over both ranks
+    assert "all 2 ranks hold identical student weights" in two.stderr
+    # The logged loss is the mean over both ranks, the gradient norm that of the all-reduced
+    # gradient: equal to the single process's only if every rank used its slice of the same batch.
+    assert_same_trajectory([tmp_path / "one", tmp_path / "two"])
+    assert (tmp_path / "two" / "student_ema" / "config.json").is_file()
 
 
 def test_only_rank_zero_writes_metrics_checkpoints_and_export(tiny_teacher, shared_cache, tmp_path):

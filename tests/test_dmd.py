@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import REPO, repo_pythonpath, train_args
 from safetensors.torch import load_file
+from test_distributed import assert_same_trajectory
 
 from distill.config import parse_config
 from distill.few_step import few_step_scheduler, sample_few_step, student_grid
@@ -68,17 +69,17 @@ def test_score_timesteps_are_clamped_and_routed_to_the_expert_that_owns_them(tin
     high, low = experts(tiny_teacher)
     teacher = GuidedTeacher(high, low, 0.875, 4.0, 3.0, torch.device("cpu"), torch.float32)
     x_t, cond, uncond = inputs(1)
-    sigmas = torch.tensor([0.95, 0.3])  # t' = 950 (high-noise expert), 300 (low-noise expert)
+    # t' = 950 (high-noise expert), 300 (low-noise expert); float64 as score_sigmas gives them
+    sigmas = torch.tensor([0.95, 0.3], dtype=torch.float64)
     real, _ = score_estimates(x_t, sigmas, cond, uncond, teacher, low)
 
     def guided_x0(expert, scale, i):
         def v(text):
-            return expert(
-                hidden_states=x_t[i : i + 1], timestep=sigmas[i : i + 1] * 1000, encoder_hidden_states=text
-            )[0]
+            t = torch.tensor([[950], [300]][i])
+            return expert(hidden_states=x_t[i : i + 1], timestep=t, encoder_hidden_states=text)[0]
 
         with torch.no_grad():
-            return x_t[i] - sigmas[i] * apply_guidance(v(cond[i : i + 1]), v(uncond), scale)[0]
+            return x_t[i] - sigmas[i].float() * apply_guidance(v(cond[i : i + 1]), v(uncond), scale)[0]
 
     assert torch.allclose(real[0], guided_x0(high, 4.0, 0), atol=1e-5)
     assert torch.allclose(real[1], guided_x0(low, 3.0, 1), atol=1e-5)
@@ -223,12 +224,14 @@ def test_dmd_resume_equals_an_uninterrupted_run_bitwise(tiny_teacher, tmp_path, 
 def test_dmd_two_processes_match_one_process(tiny_teacher, tmp_path):
     env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     env.pop("DISTILL_INJECT_FAULT", None)
-    cache = tmp_path / "cache"
+    cache, stderr = tmp_path / "cache", {}
     for nproc, batch in ((2, 1), (1, 2)):
         launcher = [sys.executable]
         if nproc > 1:
             launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        args = dmd_args(tiny_teacher, tmp_path / f"n{nproc}", cache, batch_size=batch, num_steps=3)
+        args = dmd_args(
+            tiny_teacher, tmp_path / f"n{nproc}", cache, batch_size=batch, num_steps=3, log_every=1
+        )
         proc = subprocess.run(
             [*launcher, str(REPO / "train_distillation.py"), *map(str, args)],
             capture_output=True,
@@ -238,11 +241,12 @@ def test_dmd_two_processes_match_one_process(tiny_teacher, tmp_path):
             cwd=REPO,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("student", "critic"):
-        results = [type("R", (), {"output_dir": tmp_path / f"n{n}"}) for n in (1, 2)]
-        a, b = (weights_of(r, name) for r in results)
-        worst = max((a[k] - b[k]).abs().max().item() for k in a)
-        assert worst < 5e-5, (name, worst)
+        stderr[nproc] = proc.stderr
+    # Equal losses and gradient norms of both models per step (weights after Adam are not compared:
+    # see assert_same_trajectory), and replicas that agree at the end.
+    keys = ("loss", "grad_norm", "critic_loss", "critic_grad_norm", "latent_std_ratio", "regression_loss")
+    assert_same_trajectory([tmp_path / "n1", tmp_path / "n2"], keys=keys)
+    assert "all 2 ranks hold identical student and critic weights" in stderr[2]
 
 
 def test_dry_run_plan_adds_the_critic_and_says_which_placements_fit():

@@ -64,12 +64,14 @@ def test_training_on_cuda_in_bf16_with_checkpointing_and_resume(tiny_teacher, tm
             num_steps=steps,
             checkpoint_every=3,
             teacher_on_cpu=True,
+            ema_decay=0.9,  # checkpoints load on the CPU: the resumed EMA must come back to the GPU
         )
 
     result = Distiller(parse_config(args(6))).run()
     assert result.steps == 6 and torch.isfinite(torch.tensor(result.last_loss))
     resumed = Distiller(parse_config(args(8))).run()
     assert resumed.resumed_from.name == "step_00000006" and resumed.steps == 8
+    assert resumed.ema_dir is not None and (resumed.ema_dir / "config.json").is_file()
 
 
 def test_local_rank_beyond_the_visible_gpus_is_explained(tiny_teacher, tmp_path):

@@ -1,6 +1,8 @@
 """The objective's tensor functions against hand-computed values."""
 
+import numpy as np
 import torch
+from diffusers import UniPCMultistepScheduler
 
 from distill.objective import (
     add_noise,
@@ -48,3 +50,26 @@ def test_guidance_and_mse():
     pred = torch.zeros(2, 4)
     target = torch.tensor([[1.0, 1, 1, 1], [2, 2, 2, 2]])
     assert per_sample_mse(pred, target).tolist() == [1.0, 4.0]
+
+
+def test_timesteps_are_those_wan_pipelines_scheduler_feeds_the_models(tiny_teacher):
+    """Training asks the teacher (and the student) at floor(1000 * sigma) as int64, the value
+    WanPipeline's UniPC scheduler passes at the same sigma; x_t uses the sigma's float32 rounding."""
+    config = UniPCMultistepScheduler.load_config(tiny_teacher / "scheduler")
+    float32_floor_differs = 0
+    for shift in (1.0, 3.0, 5.0):
+        scheduler = UniPCMultistepScheduler.from_config(config, flow_shift=shift)
+        for steps in range(1, 61):
+            scheduler.set_timesteps(steps)
+            # The scheduler's float64 sigmas: Wan's shift of an even grid, the first kept off 1.0.
+            sigmas = shift_sigmas(torch.from_numpy(np.linspace(1, 1 / 1000, steps + 1)[:-1]), shift)
+            sigmas[0] -= 1e-6
+            assert torch.equal(sigmas.float(), scheduler.sigmas[:-1])  # the same sigmas
+            timesteps = sigmas_to_timesteps(sigmas)
+            assert timesteps.dtype == torch.int64 and torch.equal(timesteps, scheduler.timesteps), (
+                shift,
+                steps,
+            )
+            float32_floor_differs += int((torch.floor(sigmas.float() * 1000).long() != timesteps).sum())
+    assert float32_floor_differs > 0  # why the trainer keeps its sigmas in float64 until x_t
+    assert sample_sigmas(3, 3.0, torch.Generator().manual_seed(0)).dtype == torch.float64

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -167,13 +168,76 @@ def test_partial_checkpoint_folder_is_never_resumed(tiny_teacher, shared_cache, 
 # ------------------------------------------------------------------------------------------------
 
 
-def test_a_nan_step_is_skipped_and_counted(tiny_teacher, shared_cache, tmp_path, monkeypatch):
-    monkeypatch.setenv("DISTILL_INJECT_FAULT", "nan:3")
-    result = run_inprocess(train_args(tiny_teacher, tmp_path / "out", shared_cache, num_steps=5))
-    assert result.steps == 5 and result.bad_steps == 1
+def test_a_nan_step_is_skipped_and_counted_and_logs_no_made_up_loss(
+    tiny_teacher, shared_cache, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("DISTILL_INJECT_FAULT", "nan:3,nan:5")
+    assert main(train_args(tiny_teacher, tmp_path / "out", shared_cache, num_steps=5)) == 0
+    assert "done: 5 steps, loss" in capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["skipped_steps"] == 1
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 2]
+    for row in (rows[2], rows[4]):  # a skipped step on a log step: marked, no loss, no 0.0
+        assert row["skipped"] is True and row["loss"] is None and row["grad_norm"] is None, row
+    for row in (rows[0], rows[1], rows[3]):
+        assert "skipped" not in row and row["loss"] > 0 and row["grad_norm"] > 0, row
     assert all(torch.isfinite(v).all() for v in student_weights(tmp_path / "out").values())
+
+
+def test_a_skipped_last_step_keeps_the_last_real_loss(tiny_teacher, shared_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTILL_INJECT_FAULT", "nan:4")
+    result = run_inprocess(train_args(tiny_teacher, tmp_path / "out", shared_cache, num_steps=4))
+    assert result.bad_steps == 1
+    assert [h["loss"] for h in result.history][-1] is None
+    assert result.last_loss == result.history[-2]["loss"] and result.last_loss > 0
+
+
+def test_fp16_overflow_skips_the_update_the_lr_schedule_and_the_ema(tiny_teacher, tmp_path):
+    # Guidance 1e6 makes the targets, and so the student's fp16 gradients under the grad scaler's
+    # initial scale of 65536, overflow: real overflows of the real fp16 path, nothing injected.
+    out = tmp_path / "out"
+    result = run_inprocess(
+        train_args(
+            tiny_teacher,
+            out,
+            tmp_path / "cache",
+            mixed_precision="fp16",
+            guidance_scale=1e6,
+            guidance_scale_2=1e6,
+            num_steps=4,
+            max_prompts=2,
+            ema_decay=0.9,
+        )
+    )
+    final = ckpt.load_checkpoint(out / "checkpoints" / "step_00000004")
+    # The scaler halves its scale at each overflow (and grows it only after 2000 clean steps).
+    overflows = round(math.log2(65536 / final.state["scaler"]["scale"]))
+    assert 1 <= overflows < 4, final.state["scaler"]
+    applied = 4 - overflows
+    assert final.state["lr_schedule"]["last_epoch"] == applied
+    assert final.state["ema"]["optimization_step"] == applied
+    assert {s["step"].item() for s in final.state["optimizer"]["state"].values()} == {applied}
+    # Counted as skipped, logged with their (finite) loss, but not bad steps: the run went on.
+    assert final.meta["skipped_steps"] == overflows == result.bad_steps
+    skipped_rows = [h for h in result.history if h.get("skipped")]
+    assert len(skipped_rows) == overflows
+    assert all(h["loss"] > 0 and h["grad_norm"] is None for h in skipped_rows)
+
+
+def test_resumed_ema_weights_move_to_the_training_device(tiny_teacher, shared_cache, tmp_path):
+    from diffusers.training_utils import EMAModel
+
+    run_inprocess(train_args(tiny_teacher, tmp_path / "out", shared_cache, num_steps=2, ema_decay=0.9))
+    saved = ckpt.load_checkpoint(tmp_path / "out" / "checkpoints" / "step_00000002")
+    assert all(t.device.type == "cpu" for t in saved.state["ema"]["shadow_params"])  # map_location
+    shadow = [t.clone() for t in saved.state["ema"]["shadow_params"]]
+    # "meta" stands in for a GPU on this CPU-only machine: any device other than the CPU.
+    for device in (torch.device("meta"), torch.device("cpu")):
+        ema = EMAModel([torch.nn.Parameter(torch.zeros_like(t)) for t in shadow], decay=0.9)
+        ckpt.restore_ema(ema, saved.state["ema"], device)
+        assert all(t.device == device for t in ema.shadow_params)
+        assert ema.optimization_step == 2
+    assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, shadow))
 
 
 def test_consecutive_nan_steps_stop_the_run_and_keep_the_last_good_checkpoint(
@@ -390,6 +454,37 @@ def test_force_resume_loads_a_checkpoint_of_another_prompt_set(tiny_teacher, sha
         train_args(tiny_teacher, out, shared_cache, num_steps=4, max_prompts=6, force_resume=True)
     )
     assert result.resumed_from.name == "step_00000002" and result.steps == 4
+
+
+def test_a_checkpoint_of_another_training_target_is_refused(tiny_teacher, shared_cache, tmp_path, capsys):
+    out = tmp_path / "out"
+    run_inprocess(train_args(tiny_teacher, out, shared_cache, num_steps=2))
+    before = {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")}
+    changes = [
+        ("guidance_scale", "4.0", "5.0"),
+        ("guidance_scale_2", "3.0", "1.0"),
+        ("negative_prompt", "''", "'blurry'"),
+        ("flow_shift", "3.0", "5.0"),
+        ("boundary_ratio", "0.875", "0.5"),
+        ("max_sequence_length", "512", "64"),
+    ]
+    for name, old, new in changes:
+        _refused(
+            capsys,
+            train_args(tiny_teacher, out, shared_cache, num_steps=4, **{name: new.strip("'")}),
+            9,
+            f"different training target: --{name}",
+            f"checkpoint: {{'{name}': {old}}}",
+            f"this run:   {{'{name}': {new}}}",
+            "--force_resume",
+        )
+    assert {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")} == before
+    # The resolved value is what counts: the teacher scheduler's flow_shift is 3.0.
+    assert run_inprocess(train_args(tiny_teacher, out, shared_cache, num_steps=3, flow_shift=3.0)).steps == 3
+    forced = run_inprocess(
+        train_args(tiny_teacher, out, shared_cache, num_steps=4, flow_shift=5.0, force_resume=True)
+    )
+    assert forced.resumed_from.name == "step_00000003" and forced.steps == 4
 
 
 def test_unknown_teacher_shape_still_checked(tmp_path):

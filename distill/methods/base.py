@@ -39,7 +39,8 @@ class BatchRandomness:
         return slice(self.rank * batch, (self.rank + 1) * batch)
 
     def sigmas(self, batch: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Shifted training sigmas (CPU): (this rank's rows, the whole global batch)."""
+        """Shifted training sigmas (CPU, float64; see objective.sample_sigmas): (this rank's rows, the
+        whole global batch)."""
         every = sample_sigmas(batch * self.world_size, shift, self.cpu)
         return every[self._rows(batch)], every
 
@@ -127,7 +128,7 @@ class Method:
     def loss(self, update: str, batch: dict[str, torch.Tensor], rng: BatchRandomness) -> UpdateLoss:
         raise NotImplementedError
 
-    def finish_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+    def finish_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Turn the averaged extras of a logged step into reported metrics (same on every rank)."""
         return metrics
 

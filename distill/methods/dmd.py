@@ -54,8 +54,9 @@ def score_estimates(
     experts_needed: tuple[bool, bool] | None = None,
     autocast: Callable[[], Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(real, fake) clean estimates of x_t at `sigmas` (CPU, per sample): the guided teacher routes each
-    sample to the expert owning its t', the critic answers conditionally without guidance."""
+    """(real, fake) clean estimates of x_t at `sigmas` (CPU, per sample, float64 for exact integer
+    timesteps): the guided teacher routes each sample to the expert owning its t' = floor(1000 sigma),
+    the critic answers conditionally without guidance."""
     timesteps = sigmas_to_timesteps(sigmas)
     real_v = teacher.velocity(x_t, timesteps, cond, uncond, experts_needed)
     with autocast() if autocast is not None else contextlib.nullcontext():
@@ -83,8 +84,11 @@ def dmd_loss(x0_hat: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 def score_sigmas(uniform: torch.Tensor, shift: float) -> torch.Tensor:
-    """t' / 1000 from uniform numbers: shifted like training timesteps, clamped to SCORE_SIGMA_RANGE."""
-    return shift_sigmas(uniform, shift).clamp(*SCORE_SIGMA_RANGE).to(torch.float32)
+    """t' / 1000 from uniform numbers: shifted like training timesteps, clamped to SCORE_SIGMA_RANGE.
+
+    Float64 like objective.sample_sigmas: the teacher and the critic get t' = floor(1000 sigma) as
+    int64 (as WanPipeline's scheduler feeds the teacher) and x_t' the float32 rounding of sigma."""
+    return shift_sigmas(uniform.double(), shift).clamp(*SCORE_SIGMA_RANGE)
 
 
 class CriticLossTrend:

@@ -32,7 +32,9 @@ class VelocityMethod(Method):
         # (the previous step's optimizer, then the teacher), leaving the GPU idle while the host
         # catches up with its kernel launches.
         timesteps_device = timesteps.to(device, non_blocking=True)
-        x_t = add_noise(x0, noise.to(x0.dtype), sigmas.to(device, non_blocking=True))
+        # x_t from the float32 rounding of the float64 sigmas, the timestep floor(1000 sigma) as int64:
+        # what WanPipeline's scheduler feeds the teacher at inference.
+        x_t = add_noise(x0, noise.to(x0.dtype), sigmas.to(device, torch.float32, non_blocking=True))
         target = env.teacher.velocity(x_t, timesteps, cond, env.negative, experts_needed)
         with env.autocast():
             prediction = self.train_models["student"](
