@@ -200,22 +200,28 @@ def test_debug_distributed_logs_every_setup_step_and_loads_in_waves() -> None:
         ]
     )
     expect(proc.returncode == 0, "the run succeeds", proc)
-    out = proc.stdout + proc.stderr
+    err = proc.stderr
+    expect("[debug_distributed]" not in proc.stdout, "diagnostics go to stderr, not stdout", proc)
     for rank in (0, 1):
         for needle in (
             f"RANK={rank}",
             "torch ",
+            "NCCL_DEBUG_SUBSYS=INIT,NET,ENV",
+            "TORCH_CPP_LOG_LEVEL=INFO",
+            "torch.distributed debug level in effect: INFO",
             "backend gloo, device cpu; calling init_process_group",
             f"process group ready: rank {rank}/2",
         ):
-            expect(f"[Rank {rank}] [debug_distributed] {needle}" in out, f"rank {rank} logs {needle!r}", proc)
+            expect(f"[Rank {rank}] [debug_distributed] {needle}" in err, f"rank {rank} logs {needle!r}", proc)
     expect(
-        "[Rank 0] [debug_distributed] LOCAL_RANK=0" in out
-        and "[Rank 1] [debug_distributed] LOCAL_RANK=1" in out,
+        "[Rank 0] [debug_distributed] LOCAL_RANK=0" in err
+        and "[Rank 1] [debug_distributed] LOCAL_RANK=1" in err,
         "environment per rank",
         proc,
     )
-    expect("wave 1 of 2" in out and "wave 2 of 2" in out, "staggered teacher loading", proc)
+    # torch's C++ INFO messages appear only when TORCH_CPP_LOG_LEVEL was set before torch loaded.
+    expect("[c10d]" in err, "torch's C++ distributed log is on", proc)
+    expect("wave 1 of 2" in err and "wave 2 of 2" in err, "staggered teacher loading", proc)
 
 
 def test_doctor_passes_under_torchrun_and_names_a_bad_teacher() -> None:
@@ -275,20 +281,51 @@ def test_hub_id_without_network() -> None:
 
 
 def test_out_of_memory_on_one_rank() -> None:
-    proc = torchrun(["train_distillation.py", *train_flags("oom")], env={"DISTILL_INJECT_FAULT": "oom:3@1"})
+    flags = train_flags("oom", **{"--batch_size": "2"})
+    proc = torchrun(["train_distillation.py", *flags], env={"DISTILL_INJECT_FAULT": "oom:3@1"})
     cause = root_cause(proc.stderr)
     expect(
         "[Rank 1] ERROR (out of memory): out of memory during training, step 3" in cause, "root cause", proc
     )
     expect("exitcode  : 7" in cause, "OUT_OF_MEMORY exit code 7", proc)
     for fix in (
-        "--teacher_on_cpu",
-        "--teacher_dtype bfloat16",
+        "--teacher_placement shard: each of the 2 ranks holds 1/2 of the teacher",
         "--gradient_checkpointing",
-        "expandable_segments:True",
-        "torchrun --nproc_per_node=N train_distillation.py",
+        "--batch_size 1 --gradient_accumulation_steps 2: the same global batch (4 samples per step)",
+        "torchrun --standalone --nproc_per_node=2 train_distillation.py",
     ):
         expect(fix in proc.stderr, f"fix {fix}", proc)
+
+
+def test_dataloader_worker_that_dies() -> None:
+    flags = train_flags("worker", **{"--num_workers": "1"})
+    proc = run(
+        [sys.executable, "train_distillation.py", *flags], env={"DISTILL_INJECT_FAULT": "worker_abort:3"}
+    )
+    expect(proc.returncode == 6, "DATA exit code", proc)
+    expect(
+        "ERROR (data): a DataLoader worker process died during training, step 3" in proc.stderr, "title", proc
+    )
+    expect("is killed by signal: Aborted" in proc.stderr, "torch's own words for the dead worker", proc)
+    for fix in ("--num_workers 0", "docker run --shm-size", "/dev/shm:"):
+        expect(fix in proc.stderr, f"mentions {fix}", proc)
+    expect("Traceback" not in proc.stderr, "no traceback", proc)
+
+
+def test_a_rank_that_hangs_is_reported_with_every_ranks_stacks() -> None:
+    flags = train_flags("hang", **{"--num_steps": "8", "--stall_timeout": "0.2"})
+    proc = torchrun(["train_distillation.py", *flags], env={"DISTILL_INJECT_FAULT": "hang:3@1"})
+    cause = root_cause(proc.stderr)
+    expect("exitcode  : 11" in cause, "STALLED exit code 11", proc)
+    for rank in (0, 1):
+        expect(
+            f"[Rank {rank}] ERROR (stalled): no progress for 12 s during training, step 3" in proc.stderr,
+            f"rank {rank} reports stage and step",
+            proc,
+        )
+        expect(f"[Rank {rank}] stall watchdog: no progress" in proc.stderr, f"rank {rank} dumps stacks", proc)
+    # faulthandler's dump of the hung rank shows where it is stuck
+    expect("in before_step" in proc.stderr, "the hung rank's stack", proc)
 
 
 def test_unexpected_exception_names_stage_and_step() -> None:

@@ -39,7 +39,7 @@ def debug_requested(argv: list[str]) -> bool:
 # set them before the first torch import.
 if __name__ == "__main__" and debug_requested(sys.argv[1:]):
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO")
-    os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "INFO")
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 

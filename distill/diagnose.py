@@ -335,7 +335,7 @@ def unused_parameters_error(exc: BaseException) -> DistillError:
         "DDP all-reduces every parameter's gradient after each backward. A parameter that takes no part "
         "in the loss never gets one, so DDP is still waiting for it when the next step starts "
         "('Expected to have finished reduction in the prior iteration').\n"
-        + (named or "Rerun with --debug_distributed: TORCH_DISTRIBUTED_DEBUG=DETAIL names the parameters."),
+        + (named or "Rerun with --debug_distributed: TORCH_DISTRIBUTED_DEBUG=INFO names the parameters."),
         causes=[
             "a student with modules text-to-video never calls: image_dim / added_kv_proj_dim (the "
             "image-to-video embedder and projections) in --student_config or in a --student_init model",
@@ -343,7 +343,7 @@ def unused_parameters_error(exc: BaseException) -> DistillError:
         ],
         fixes=[
             "remove image_dim and added_kv_proj_dim from --student_config (or set them to null)",
-            "--debug_distributed (TORCH_DISTRIBUTED_DEBUG=DETAIL): the error then names the parameters",
+            "--debug_distributed (TORCH_DISTRIBUTED_DEBUG=INFO): the error then names the parameters",
             "if it happens with the shipped student configs, report it with the command line",
         ],
         stage=Stage.TRAINING,
@@ -431,7 +431,7 @@ def nccl_error(exc: BaseException) -> DistillError:
         fixes = [
             "read the stall watchdog's report above (every rank's stacks): the rank not waiting inside a "
             "collective is the one that stopped; --stall_timeout sets how soon it reports",
-            "--debug_distributed: TORCH_DISTRIBUTED_DEBUG=DETAIL checks that ranks call the same collectives",
+            "--debug_distributed: the NCCL and torch.distributed logs of every rank",
             "if a step legitimately takes longer, raise --dist_timeout (minutes)",
         ]
     else:

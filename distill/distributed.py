@@ -32,8 +32,10 @@ ENV_VARS = (
 # NCCL reads its variables when a communicator starts; torch reads TORCH_DISTRIBUTED_DEBUG when
 # torch.distributed is imported (setup() re-reads it) and TORCH_CPP_LOG_LEVEL when torch loads
 # (train_distillation.py sets it before importing torch).
+# INFO, not DETAIL: DETAIL made DDP's constructor crash (SIGSEGV) with torch 2.13 on CPU/gloo, and
+# INFO already makes DDP name parameters that got no gradient.
 DEBUG_ENV = {
-    "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+    "TORCH_DISTRIBUTED_DEBUG": "INFO",
     "NCCL_DEBUG": "INFO",
     "NCCL_DEBUG_SUBSYS": "INIT,NET,ENV",
 }
