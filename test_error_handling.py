@@ -62,12 +62,12 @@ def train_flags(out: str, **overrides: str) -> list[str]:
 
 
 def run(
-    args: list[str], env: dict[str, str] | None = None, timeout: int = TIMEOUT
+    args: list[str], env: dict[str, str] | None = None, timeout: int = TIMEOUT, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     full_env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("DISTILL_INJECT_FAULT", None) if "DISTILL_INJECT_FAULT" not in (env or {}) else None
-    return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 def torchrun(
@@ -108,6 +108,21 @@ def test_torchrun_given_python_before_the_script() -> None:
     expect("was given 'python' as the script" in cause, "our text is torchrun's root cause", proc)
     expect("exitcode  : 2" in cause, "ARGV exit code 2 in the summary", proc)
     expect("[Rank 0]" in proc.stderr and "[Rank 1]" in proc.stderr, "each rank says it", proc)
+
+
+def test_the_guard_works_only_in_the_repository_root_as_the_readme_says(tmp_path: Path) -> None:
+    readme, fixes = (REPO / "README.md").read_text(), (REPO / "TORCHRUN_ERROR_FIXES.md").read_text()
+    check = next(line.strip() for line in readme.splitlines() if line.strip().startswith("test -f python"))
+    expect(check in fixes, "both documents show the same check", subprocess.CompletedProcess([], 0, "", ""))
+    here = run(["bash", "-c", check])
+    elsewhere = run(["bash", "-c", check], cwd=tmp_path)
+    expect(here.stdout.startswith("guarded"), "the root is guarded", here)
+    expect(elsewhere.stdout.startswith("no guard here"), "another folder is not", elsewhere)
+    # What the README says happens from another folder: Python's own message, exit code 2.
+    launcher = [*TORCHRUN, "--standalone", "--nproc_per_node=1", "--shutdown-timeout=10"]
+    proc = run([*launcher, "python", str(REPO / "train_distillation.py")], cwd=tmp_path)
+    expect(f"can't open file '{tmp_path / 'python'}'" in proc.stderr, "python's own message", proc)
+    expect("exitcode  : 2" in proc.stderr, "exit code 2", proc)
 
 
 def test_unknown_flag_gets_did_you_mean() -> None:
