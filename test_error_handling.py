@@ -198,7 +198,7 @@ def test_init_process_group_failure_prints_environment() -> None:
         [sys.executable, "train_distillation.py", "--dist_timeout", "0.1", *train_flags("pg")], env=env
     )
     expect(proc.returncode == 4, "SETUP exit code", proc)
-    expect("init_process_group failed" in proc.stderr, "title", proc)
+    expect("init_process_group (gloo) failed" in proc.stderr, "title", proc)
     expect(f"MASTER_PORT={port}" in proc.stderr and "RANK=1" in proc.stderr, "environment printed", proc)
     expect("--rdzv-endpoint=localhost:0" in proc.stderr, "busy-port hint", proc)
     expect(time.monotonic() - started < 120, "bounded by --dist_timeout", proc)
