@@ -339,8 +339,10 @@ def test_a_rank_that_hangs_is_reported_with_every_ranks_stacks() -> None:
             proc,
         )
         expect(f"[Rank {rank}] stall watchdog: no progress" in proc.stderr, f"rank {rank} dumps stacks", proc)
-    # faulthandler's dump of the hung rank shows where it is stuck
+    # faulthandler's dump of the hung rank shows where it is stuck, and each banner says who waits
     expect("in before_step" in proc.stderr, "the hung rank's stack", proc)
+    expect("[Rank 1]   It is NOT inside a collective" in proc.stderr, "rank 1 is the one", proc)
+    expect("[Rank 0]   It waits inside a collective" in proc.stderr, "rank 0 waits for it", proc)
 
 
 def test_unexpected_exception_names_stage_and_step() -> None:

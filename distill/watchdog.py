@@ -12,8 +12,8 @@ Long pieces of work that are not steps (sample rounds, evaluations, checkpoint s
 not watched: their collectives are bounded by --dist_timeout.
 
 As a backstop for a main thread that never releases the GIL (so no Python thread can run),
-faulthandler's own C-level timer dumps the stacks and exits a minute after the watchdog should
-have fired.
+faulthandler's own C-level timer dumps the stacks and exits (code 1) 30 to 60 seconds after the
+watchdog should have fired.
 """
 
 from __future__ import annotations
@@ -72,11 +72,23 @@ def main_thread_location() -> str:
     return text
 
 
+# Where a rank that only waits for its peers sits: collectives, DDP's hooks, autograd running them.
+COLLECTIVE_PATHS = tuple(
+    os.path.join("torch", *parts) for parts in (("distributed",), ("nn", "parallel"), ("autograd",))
+)
+
+
 def stall_error(stage: Stage | str, step: int | None, timeout_s: float, location: str) -> DistillError:
     where = _stage_name(stage) + (f", step {step}" if step is not None else "")
+    innermost = location.splitlines()[0]
+    verdict = (
+        "It waits inside a collective (torch.distributed / DDP / autograd): most likely for another rank."
+        if any(path in innermost for path in COLLECTIVE_PATHS)
+        else "It is NOT inside a collective: this rank is probably the one that stalled."
+    )
     return DistillError(
         f"no progress for {_duration(timeout_s)} during {where} (stall watchdog)",
-        f"This rank's main thread is at:\n  {location}\n"
+        f"This rank's main thread is at:\n  {location}\n{verdict}\n"
         "The stack of every thread of this rank is printed above this banner.",
         causes=[
             "another rank failed or hangs, and this rank waits for it inside a collective (its stack "
@@ -114,6 +126,7 @@ class StallWatchdog:
         self.backstop = backstop and _stderr_fd() is not None
         self._lock = threading.Lock()
         self._last: float | None = None  # None: paused
+        self._backstop_armed: float | None = None
         self._where: tuple[Stage | str, int | None] = (Stage.TRAINING, None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
@@ -128,27 +141,44 @@ class StallWatchdog:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
+        self._disarm_backstop()
 
     def beat(self, stage: Stage | str, step: int | None = None) -> None:
         """Progress: the clock starts again (and the watch is armed if it was paused)."""
+        now = time.monotonic()
         with self._lock:
-            self._last, self._where = time.monotonic(), (stage, step)
-        if self.backstop:
-            faulthandler.dump_traceback_later(self.timeout_s + BACKSTOP_GRACE_S, exit=True, file=sys.stderr)
+            self._last, self._where = now, (stage, step)
+            # Re-arming restarts faulthandler's timer thread (~0.1 ms): at most every half grace.
+            armed = self._backstop_armed
+            if self.backstop and (armed is None or now - armed > BACKSTOP_GRACE_S / 2):
+                faulthandler.dump_traceback_later(
+                    self.timeout_s + BACKSTOP_GRACE_S, exit=True, file=sys.stderr
+                )
+                self._backstop_armed = now
 
     def pause(self) -> None:
-        """Stop watching until the next beat (for work that is allowed to take long)."""
+        """Stop watching until the next beat (for work that is allowed to take long).
+
+        Cheap, since the loop pauses after every step: the watch thread disarms the backstop.
+        """
         with self._lock:
             self._last = None
-        if self.backstop:
-            faulthandler.cancel_dump_traceback_later()
+
+    def _disarm_backstop(self) -> None:
+        with self._lock:
+            if self._backstop_armed is not None and self._last is None:
+                faulthandler.cancel_dump_traceback_later()
+                self._backstop_armed = None
 
     def _watch(self) -> None:
         poll = min(max(self.timeout_s / 10, 0.05), 5.0)
         while not self._stop.wait(poll):
             with self._lock:
                 last, (stage, step) = self._last, self._where
-            if last is None or time.monotonic() - last < self.timeout_s:
+            if last is None:
+                self._disarm_backstop()
+                continue
+            if time.monotonic() - last < self.timeout_s:
                 continue
             self.fired = True
             rank = current_rank()

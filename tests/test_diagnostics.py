@@ -262,6 +262,7 @@ def test_the_watchdog_reports_stage_step_and_every_threads_stack(monkeypatch):
     assert "ERROR (stalled): no progress for 0.2 s during training, step 7 (stall watchdog)" in text
     assert "Thread MainThread" in text and "test_the_watchdog_reports" in text  # the main thread's stack
     assert "(exit code 11)" in text
+    assert "It is NOT inside a collective: this rank is probably the one that stalled" in text
 
 
 def test_a_paused_watchdog_never_fires():
