@@ -332,17 +332,20 @@ def test_a_rank_that_hangs_is_reported_with_every_ranks_stacks() -> None:
     proc = torchrun(["train_distillation.py", *flags], env={"DISTILL_INJECT_FAULT": "hang:3@1"})
     cause = root_cause(proc.stderr)
     expect("exitcode  : 11" in cause, "STALLED exit code 11", proc)
-    for rank in (0, 1):
-        expect(
-            f"[Rank {rank}] ERROR (stalled): no progress for 12 s during training, step 3" in proc.stderr,
-            f"rank {rank} reports stage and step",
-            proc,
-        )
-        expect(f"[Rank {rank}] stall watchdog: no progress" in proc.stderr, f"rank {rank} dumps stacks", proc)
-    # faulthandler's dump of the hung rank shows where it is stuck, and each banner says who waits
+    # The hung rank: its stacks (faulthandler shows where it is stuck), then the banner.
+    expect("[Rank 1] stall watchdog: no progress for 12 s" in proc.stderr, "rank 1 dumps its stacks", proc)
     expect("in before_step" in proc.stderr, "the hung rank's stack", proc)
+    expect(
+        "[Rank 1] ERROR (stalled): no progress for 12 s during training, step 3" in proc.stderr,
+        "rank 1 names stage and step",
+        proc,
+    )
     expect("[Rank 1]   It is NOT inside a collective" in proc.stderr, "rank 1 is the one", proc)
-    expect("[Rank 0]   It waits inside a collective" in proc.stderr, "rank 0 waits for it", proc)
+    # The waiting rank reports the stall itself (saying it waits in a collective), or, when the
+    # hung rank's exit reaches it first, that it is a secondary failure.
+    waited = "[Rank 0]   It waits inside a collective" in proc.stderr
+    secondary = "[Rank 0] ERROR (training): lost contact with another rank" in proc.stderr
+    expect(waited or secondary, "rank 0 says it only waited", proc)
 
 
 def test_unexpected_exception_names_stage_and_step() -> None:
