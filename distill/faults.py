@@ -3,8 +3,8 @@
 KIND is one of exception, oom, nan, sigterm, kill, hang, worker_abort. At optimizer step STEP
 (counted from 1, on RANK only if given) the trainer raises, runs out of memory, produces a
 non-finite loss, gets SIGTERM, is SIGKILLed, stops making progress (for the stall watchdog), or
-has its DataLoader worker processes die of SIGABRT, exactly as a real failure would look. Faults fire only in torchrun's
-first attempt, so a restarted run recovers. Unset, it does nothing.
+has its DataLoader worker processes die of SIGABRT, exactly as a real failure would look. Faults
+fire only in torchrun's first attempt, so a restarted run recovers. Unset, it does nothing.
 """
 
 from __future__ import annotations
