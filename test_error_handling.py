@@ -62,12 +62,12 @@ def train_flags(out: str, **overrides: str) -> list[str]:
 
 
 def run(
-    args: list[str], env: dict[str, str] | None = None, timeout: int = TIMEOUT
+    args: list[str], env: dict[str, str] | None = None, timeout: int = TIMEOUT, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     full_env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("DISTILL_INJECT_FAULT", None) if "DISTILL_INJECT_FAULT" not in (env or {}) else None
-    return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 def torchrun(
@@ -108,6 +108,21 @@ def test_torchrun_given_python_before_the_script() -> None:
     expect("was given 'python' as the script" in cause, "our text is torchrun's root cause", proc)
     expect("exitcode  : 2" in cause, "ARGV exit code 2 in the summary", proc)
     expect("[Rank 0]" in proc.stderr and "[Rank 1]" in proc.stderr, "each rank says it", proc)
+
+
+def test_the_guard_works_only_in_the_repository_root_as_the_readme_says(tmp_path: Path) -> None:
+    readme, fixes = (REPO / "README.md").read_text(), (REPO / "TORCHRUN_ERROR_FIXES.md").read_text()
+    check = next(line.strip() for line in readme.splitlines() if line.strip().startswith("test -f python"))
+    expect(check in fixes, "both documents show the same check", subprocess.CompletedProcess([], 0, "", ""))
+    here = run(["bash", "-c", check])
+    elsewhere = run(["bash", "-c", check], cwd=tmp_path)
+    expect(here.stdout.startswith("guarded"), "the root is guarded", here)
+    expect(elsewhere.stdout.startswith("no guard here"), "another folder is not", elsewhere)
+    # What the README says happens from another folder: Python's own message, exit code 2.
+    launcher = [*TORCHRUN, "--standalone", "--nproc_per_node=1", "--shutdown-timeout=10"]
+    proc = run([*launcher, "python", str(REPO / "train_distillation.py")], cwd=tmp_path)
+    expect(f"can't open file '{tmp_path / 'python'}'" in proc.stderr, "python's own message", proc)
+    expect("exitcode  : 2" in proc.stderr, "exit code 2", proc)
 
 
 def test_unknown_flag_gets_did_you_mean() -> None:
@@ -183,7 +198,7 @@ def test_init_process_group_failure_prints_environment() -> None:
         [sys.executable, "train_distillation.py", "--dist_timeout", "0.1", *train_flags("pg")], env=env
     )
     expect(proc.returncode == 4, "SETUP exit code", proc)
-    expect("init_process_group failed" in proc.stderr, "title", proc)
+    expect("init_process_group (gloo) failed" in proc.stderr, "title", proc)
     expect(f"MASTER_PORT={port}" in proc.stderr and "RANK=1" in proc.stderr, "environment printed", proc)
     expect("--rdzv-endpoint=localhost:0" in proc.stderr, "busy-port hint", proc)
     expect(time.monotonic() - started < 120, "bounded by --dist_timeout", proc)
@@ -200,22 +215,28 @@ def test_debug_distributed_logs_every_setup_step_and_loads_in_waves() -> None:
         ]
     )
     expect(proc.returncode == 0, "the run succeeds", proc)
-    out = proc.stdout + proc.stderr
+    err = proc.stderr
+    expect("[debug_distributed]" not in proc.stdout, "diagnostics go to stderr, not stdout", proc)
     for rank in (0, 1):
         for needle in (
             f"RANK={rank}",
             "torch ",
+            "NCCL_DEBUG_SUBSYS=INIT,NET,ENV",
+            "TORCH_CPP_LOG_LEVEL=INFO",
+            "torch.distributed debug level in effect: INFO",
             "backend gloo, device cpu; calling init_process_group",
             f"process group ready: rank {rank}/2",
         ):
-            expect(f"[Rank {rank}] [debug_distributed] {needle}" in out, f"rank {rank} logs {needle!r}", proc)
+            expect(f"[Rank {rank}] [debug_distributed] {needle}" in err, f"rank {rank} logs {needle!r}", proc)
     expect(
-        "[Rank 0] [debug_distributed] LOCAL_RANK=0" in out
-        and "[Rank 1] [debug_distributed] LOCAL_RANK=1" in out,
+        "[Rank 0] [debug_distributed] LOCAL_RANK=0" in err
+        and "[Rank 1] [debug_distributed] LOCAL_RANK=1" in err,
         "environment per rank",
         proc,
     )
-    expect("wave 1 of 2" in out and "wave 2 of 2" in out, "staggered teacher loading", proc)
+    # torch's C++ INFO messages appear only when TORCH_CPP_LOG_LEVEL was set before torch loaded.
+    expect("[c10d]" in err, "torch's C++ distributed log is on", proc)
+    expect("wave 1 of 2" in err and "wave 2 of 2" in err, "staggered teacher loading", proc)
 
 
 def test_doctor_passes_under_torchrun_and_names_a_bad_teacher() -> None:
@@ -275,20 +296,56 @@ def test_hub_id_without_network() -> None:
 
 
 def test_out_of_memory_on_one_rank() -> None:
-    proc = torchrun(["train_distillation.py", *train_flags("oom")], env={"DISTILL_INJECT_FAULT": "oom:3@1"})
+    flags = train_flags("oom", **{"--batch_size": "2"})
+    proc = torchrun(["train_distillation.py", *flags], env={"DISTILL_INJECT_FAULT": "oom:3@1"})
     cause = root_cause(proc.stderr)
     expect(
         "[Rank 1] ERROR (out of memory): out of memory during training, step 3" in cause, "root cause", proc
     )
     expect("exitcode  : 7" in cause, "OUT_OF_MEMORY exit code 7", proc)
     for fix in (
-        "--teacher_on_cpu",
-        "--teacher_dtype bfloat16",
+        "--teacher_placement shard: each of the 2 ranks holds 1/2 of the teacher",
         "--gradient_checkpointing",
-        "expandable_segments:True",
-        "torchrun --nproc_per_node=N train_distillation.py",
+        "--batch_size 1 --gradient_accumulation_steps 2: the same global batch (4 samples per step)",
+        "torchrun --standalone --nproc_per_node=2 train_distillation.py",
     ):
         expect(fix in proc.stderr, f"fix {fix}", proc)
+
+
+def test_dataloader_worker_that_dies() -> None:
+    flags = train_flags("worker", **{"--num_workers": "1"})
+    proc = run(
+        [sys.executable, "train_distillation.py", *flags], env={"DISTILL_INJECT_FAULT": "worker_abort:3"}
+    )
+    expect(proc.returncode == 6, "DATA exit code", proc)
+    expect(
+        "ERROR (data): a DataLoader worker process died during training, step 3" in proc.stderr, "title", proc
+    )
+    expect("is killed by signal: Aborted" in proc.stderr, "torch's own words for the dead worker", proc)
+    for fix in ("--num_workers 0", "docker run --shm-size", "/dev/shm:"):
+        expect(fix in proc.stderr, f"mentions {fix}", proc)
+    expect("Traceback" not in proc.stderr, "no traceback", proc)
+
+
+def test_a_rank_that_hangs_is_reported_with_every_ranks_stacks() -> None:
+    flags = train_flags("hang", **{"--num_steps": "8", "--stall_timeout": "0.2"})
+    proc = torchrun(["train_distillation.py", *flags], env={"DISTILL_INJECT_FAULT": "hang:3@1"})
+    cause = root_cause(proc.stderr)
+    expect("exitcode  : 11" in cause, "STALLED exit code 11", proc)
+    # The hung rank: its stacks (faulthandler shows where it is stuck), then the banner.
+    expect("[Rank 1] stall watchdog: no progress for 12 s" in proc.stderr, "rank 1 dumps its stacks", proc)
+    expect("in before_step" in proc.stderr, "the hung rank's stack", proc)
+    expect(
+        "[Rank 1] ERROR (stalled): no progress for 12 s during training, step 3" in proc.stderr,
+        "rank 1 names stage and step",
+        proc,
+    )
+    expect("[Rank 1]   It is NOT inside a collective" in proc.stderr, "rank 1 is the one", proc)
+    # The waiting rank reports the stall itself (saying it waits in a collective), or, when the
+    # hung rank's exit reaches it first, that it is a secondary failure.
+    waited = "[Rank 0]   It waits inside a collective" in proc.stderr
+    secondary = "[Rank 0] ERROR (training): lost contact with another rank" in proc.stderr
+    expect(waited or secondary, "rank 0 says it only waited", proc)
 
 
 def test_unexpected_exception_names_stage_and_step() -> None:

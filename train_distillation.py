@@ -21,7 +21,27 @@ import logging
 import os
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
+
+def debug_requested(argv: list[str]) -> bool:
+    """--debug_distributed (on the command line or in --config) or DISTILL_DEBUG=1."""
+    if os.environ.get("DISTILL_DEBUG") == "1":
+        return True
+    from distill.config import parse_config  # no torch: this runs before torch is imported
+    from distill.errors import DistillError
+
+    try:
+        return parse_config(argv).debug_distributed
+    except DistillError:  # reported properly by run()
+        return "--debug_distributed" in argv
+
+
+# torch reads these once, when it loads (the C++ log level) or when torch.distributed is imported:
+# set them before the first torch import.
+if __name__ == "__main__" and debug_requested(sys.argv[1:]):
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO")
+    os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "INFO")
+
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 # A run stopped by a preemption signal saved its checkpoint and is not finished: EX_TEMPFAIL tells
 # schedulers and retry loops to run it again.
@@ -55,11 +75,10 @@ def setup_logging(rank: int) -> None:
 
 
 def run(argv: list[str]) -> int:
-    import torch
-
-    from distill import distributed
+    from distill import distributed, watchdog
     from distill.config import parse_config
-    from distill.errors import DistillError, Progress, Stage, out_of_memory_error, report, unexpected_error
+    from distill.diagnose import failure_report
+    from distill.errors import DistillError, Progress, Stage, report
 
     Progress.argv = argv
     Progress.enter(Stage.ARGV)
@@ -78,6 +97,7 @@ def run(argv: list[str]) -> int:
         Progress.enter(Stage.SETUP)
         debug = cfg.debug_distributed or os.environ.get("DISTILL_DEBUG") == "1"
         ctx = distributed.setup(cfg.backend, cfg.device, cfg.dist_timeout, debug)
+        watchdog.start(cfg.stall_timeout)
         from distill.trainer import Distiller
 
         Progress.enter(Stage.TEACHER_LOAD)
@@ -90,17 +110,14 @@ def run(argv: list[str]) -> int:
                 print(distiller.plan())
             return 0
         result = distiller.run()
-    except DistillError as error:
-        return report(error)
-    except (torch.OutOfMemoryError, MemoryError) as error:
-        return report(out_of_memory_error(error))
     except KeyboardInterrupt:
         return report(
             DistillError("interrupted", "rerun with --resume auto to continue", stage=Stage.TRAINING)
         )
-    except Exception as error:  # anything else still gets a banner, with its traceback
-        return report(unexpected_error(error))
+    except Exception as error:  # recognised failures get their own advice, anything else its traceback
+        return report(failure_report(error))
     finally:
+        watchdog.stop()
         distributed.teardown()
     if not ctx.is_main:
         return EXIT_PREEMPTED if result.stopped_by_signal else 0

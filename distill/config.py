@@ -167,6 +167,11 @@ class TrainConfig:
     dist_timeout: float = _opt(
         60.0, "Minutes a collective may wait for the other ranks (covers teacher loading)."
     )
+    stall_timeout: float = _opt(
+        10.0,
+        "Minutes without a finished training step before every rank prints its stacks and the run ends "
+        "(exit 11); 0 = off. Keep it well under --dist_timeout.",
+    )
     distributed: bool = _opt(
         False, "Accepted for compatibility: torchrun alone decides; checked against how the run was launched."
     )
@@ -258,6 +263,10 @@ class TrainConfig:
             )
         if self.dist_timeout <= 0:
             raise _config_error("dist_timeout", "must be positive (minutes)", "try --dist_timeout 60")
+        if self.stall_timeout < 0:
+            raise _config_error(
+                "stall_timeout", "must be 0 (off) or positive (minutes)", "try --stall_timeout 10"
+            )
         for name in (
             "checkpoint_every",
             "lr_warmup_steps",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,16 @@ ENV_VARS = (
     "MASTER_PORT",
     "GROUP_RANK",
 )
-DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "NCCL_DEBUG": "INFO", "TORCH_CPP_LOG_LEVEL": "INFO"}
+# NCCL reads its variables when a communicator starts; torch reads TORCH_DISTRIBUTED_DEBUG when
+# torch.distributed is imported (setup() re-reads it) and TORCH_CPP_LOG_LEVEL when torch loads
+# (train_distillation.py sets it before importing torch).
+# INFO, not DETAIL: DETAIL made DDP's constructor crash (SIGSEGV) with torch 2.13 on CPU/gloo, and
+# INFO already makes DDP name parameters that got no gradient.
+DEBUG_ENV = {
+    "TORCH_DISTRIBUTED_DEBUG": "INFO",
+    "NCCL_DEBUG": "INFO",
+    "NCCL_DEBUG_SUBSYS": "INIT,NET,ENV",
+}
 
 
 @dataclass(frozen=True)
@@ -60,19 +70,35 @@ def env_summary() -> str:
 
 def choose_backend(requested: str) -> str:
     """auto = nccl with CUDA, gloo without; DDP_BACKEND overrides an `auto` request."""
+    from_env = False
     if requested == "auto":
-        requested = os.environ.get("DDP_BACKEND", "auto").lower() or "auto"
+        variable = os.environ.get("DDP_BACKEND", "").strip().lower()
+        if variable and variable != "auto":
+            requested, from_env = variable, True
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
+    asked = f"DDP_BACKEND={requested} (environment)" if from_env else f"--backend {requested}"
     if requested not in ("nccl", "gloo"):
         raise DistillError(
-            f"unknown distributed backend {requested!r}",
-            fixes=["use --backend auto, nccl or gloo (or unset DDP_BACKEND)"],
+            f"unknown distributed backend {requested!r}, from {asked}",
+            fixes=[
+                "set DDP_BACKEND to nccl or gloo, or unset it"
+                if from_env
+                else "use --backend auto, nccl or gloo"
+            ],
             stage=Stage.SETUP,
         )
     if requested == "nccl" and not torch.cuda.is_available():
+        if from_env:
+            fixes = [
+                "unset DDP_BACKEND (or set DDP_BACKEND=gloo): it overrides --backend auto, so changing "
+                "--backend does nothing while it says nccl",
+                "or pass --backend gloo, which wins over DDP_BACKEND",
+            ]
+        else:
+            fixes = ["on a CPU machine use --backend gloo (or --backend auto)"]
         raise DistillError(
-            "the nccl backend needs CUDA, but torch sees no GPU on this node",
+            f"the nccl backend needs CUDA, but torch sees no GPU on this node (asked for by {asked})",
             f"torch {torch.__version__}, CUDA build {torch.version.cuda}, "
             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}",
             causes=[
@@ -81,7 +107,7 @@ def choose_backend(requested: str) -> str:
                 "CUDA_VISIBLE_DEVICES is empty",
             ],
             fixes=[
-                "on a CPU machine use --backend gloo (or --backend auto)",
+                *fixes,
                 "on a GPU node check `nvidia-smi` and `python -c 'import torch; print(torch.cuda.is_available())'`",
             ],
             stage=Stage.SETUP,
@@ -124,13 +150,14 @@ def setup(
     if debug:
         for name, value in DEBUG_ENV.items():
             os.environ.setdefault(name, value)
+        dist.set_debug_level_from_env()  # read once at import otherwise, long before this
     if not launched_by_torchrun():
         ctx = DistContext(device=_pick_device(device, 0, distributed=False))
         _debug(debug, f"single process, device {ctx.device}")
         return ctx
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    _debug(debug, f"torchrun environment:\n{env_summary()}\n{versions()}")
+    _debug(debug, f"torchrun environment:\n{env_summary()}\n{versions()}\n{debug_settings()}")
     chosen = choose_backend(backend)
     torch_device = _pick_device(device if chosen == "nccl" or device != "auto" else "cpu", local_rank, True)
     if chosen == "nccl" and torch_device.type != "cuda":
@@ -147,7 +174,7 @@ def setup(
             device_id=torch_device if torch_device.type == "cuda" else None,
         )
     except Exception as exc:
-        raise init_failure_error(exc, timeout_minutes) from None
+        raise init_failure_error(exc, timeout_minutes, chosen) from None
     _debug(debug, f"process group ready: rank {rank}/{world_size}")
     return DistContext(rank, local_rank, world_size, chosen, torch_device)
 
@@ -165,23 +192,45 @@ def local_rank_error(local_rank: int, count: int) -> DistillError:
     )
 
 
-def init_failure_error(exc: BaseException, timeout_minutes: float) -> DistillError:
+def init_failure_error(exc: BaseException, timeout_minutes: float, backend: str = "nccl") -> DistillError:
+    causes = [
+        "MASTER_ADDR/MASTER_PORT unreachable from this node (firewall, wrong address)",
+        "the port is in use by another job",
+        "other nodes never started, or started with a different --nnodes / rendezvous id",
+        f"a rank took longer than --dist_timeout ({timeout_minutes:g} min) to arrive",
+    ]
+    fixes = [
+        "single node: torchrun --standalone --nproc_per_node=N train_distillation.py ...",
+        "busy port: torchrun --rdzv-endpoint=localhost:0 ... (or another --master-port)",
+        "--debug_distributed: every rank logs each setup step"
+        + (" and NCCL_DEBUG=INFO shows where NCCL stops" if backend == "nccl" else ""),
+    ]
+    if backend == "nccl":
+        causes += [
+            "an NCCL build that does not match the GPU driver (compare the versions above with nvidia-smi)",
+            "NCCL picked a network interface the other nodes cannot reach, or InfiniBand that does not work",
+        ]
+        fixes += [
+            "NCCL_SOCKET_IFNAME=<interface> (see `ip addr`) to choose the network interface NCCL uses",
+            "NCCL_IB_DISABLE=1 to rule out InfiniBand",
+            "try DDP_BACKEND=gloo to separate NCCL from the rest: if gloo forms the group, the problem is "
+            "NCCL, its driver or the GPU network; if gloo fails too, it is the rendezvous or the network",
+        ]
+    fixes.append("python -m distill.doctor under the same torchrun command tests the group alone")
+    versions_line = f"\n{versions()}" if backend == "nccl" else ""
     return DistillError(
-        "init_process_group failed: the ranks could not form a group",
-        f"{type(exc).__name__}: {exc}\n{env_summary()}",
-        causes=[
-            "MASTER_ADDR/MASTER_PORT unreachable from this node (firewall, wrong address)",
-            "the port is in use by another job",
-            "other nodes never started, or started with a different --nnodes / rendezvous id",
-            f"a rank took longer than --dist_timeout ({timeout_minutes:g} min) to arrive",
-        ],
-        fixes=[
-            "single node: torchrun --standalone --nproc_per_node=N train_distillation.py ...",
-            "busy port: torchrun --rdzv-endpoint=localhost:0 ... (or another --master-port)",
-            "python -m distill.doctor under the same torchrun command tests the group alone",
-        ],
+        f"init_process_group ({backend}) failed: the ranks could not form a group",
+        f"{type(exc).__name__}: {exc}\n{env_summary()}{versions_line}",
+        causes=causes,
+        fixes=fixes,
         stage=Stage.SETUP,
     )
+
+
+def debug_settings() -> str:
+    names = [*DEBUG_ENV, "TORCH_CPP_LOG_LEVEL", "DDP_BACKEND", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE"]
+    lines = [f"{name}={os.environ.get(name, '<unset>')}" for name in names]
+    return "\n".join([*lines, f"torch.distributed debug level in effect: {dist.get_debug_level().name}"])
 
 
 def versions() -> str:
@@ -196,7 +245,7 @@ def _debug(enabled: bool, message: str) -> None:
     if enabled:
         rank = os.environ.get("RANK", "0")
         for line in message.splitlines():
-            print(f"[Rank {rank}] [debug_distributed] {line}", flush=True)
+            print(f"[Rank {rank}] [debug_distributed] {line}", file=sys.stderr, flush=True)
 
 
 def teardown() -> None:

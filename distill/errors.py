@@ -27,6 +27,7 @@ class Stage(IntEnum):
     TRAINING = 8
     CHECKPOINT = 9
     INTERNAL = 10
+    STALLED = 11  # no progress for --stall_timeout minutes (distill/watchdog.py)
 
 
 class DistillError(Exception):
@@ -123,24 +124,8 @@ def report(error: DistillError) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Turning unexpected exceptions into reports
+# Facts the reports quote (distill/diagnose.py turns exceptions into reports)
 # ---------------------------------------------------------------------------------------------
-
-PEER_LOST_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-    "ProcessGroupNCCL is aborted",
-    "DistNetworkError",
-    "recvBytes",
-    "Socket Timeout",
-)
-
-
-def is_peer_lost(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__}: {exc}"
-    return any(marker in text for marker in PEER_LOST_MARKERS)
 
 
 def memory_picture() -> str:
@@ -164,83 +149,3 @@ def memory_picture() -> str:
         return f"host RAM: {available * size / 1024**3:.2f} GiB free of {pages * size / 1024**3:.2f} GiB"
     except (ValueError, OSError):
         return "host RAM: unknown"
-
-
-def _rewrite(argv: list[str], flag: str, value: str | None = None) -> list[str]:
-    """argv with `flag` set (to `value`, or as a switch), replacing an earlier setting of it."""
-    out, skip = [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if arg == flag or arg.startswith(flag + "="):
-            skip = value is not None and arg == flag and i + 1 < len(argv)
-            continue
-        out.append(arg)
-    return out + ([flag] if value is None else [flag, value])
-
-
-def out_of_memory_error(exc: BaseException) -> DistillError:
-    """The out-of-memory report: the memory picture, then fixes in the order that saves most."""
-    argv = list(Progress.argv)
-    launcher = (
-        "torchrun --nproc_per_node=N train_distillation.py"
-        if current_rank() is not None
-        else ("python train_distillation.py")
-    )
-    batch = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--batch_size"), "1")
-    smaller = max(1, int(batch) // 2) if batch.isdigit() else 1
-    accumulation = next(
-        (argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--gradient_accumulation_steps"), "1"
-    )
-    more = int(accumulation) * 2 if accumulation.isdigit() else 2
-    rewritten = _rewrite(_rewrite(argv, "--teacher_on_cpu"), "--teacher_dtype", "bfloat16")
-    rewritten = _rewrite(_rewrite(rewritten, "--gradient_checkpointing"), "--batch_size", str(smaller))
-    rewritten = _rewrite(rewritten, "--gradient_accumulation_steps", str(more))
-    return DistillError(
-        f"out of memory during {Progress.where()}",
-        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n{memory_picture()}",
-        causes=["the teacher, the student and its optimizer state and the activations do not fit together"],
-        fixes=[
-            "--teacher_on_cpu: keep the teacher's weights in CPU RAM and stream them (largest saving)",
-            "--teacher_dtype bfloat16: half the teacher's memory of float32",
-            "--gradient_checkpointing: recompute student activations in backward",
-            f"--batch_size {smaller} --gradient_accumulation_steps {more}: same global batch, less memory",
-            "a smaller student (fewer num_layers / a narrower config in --student_config)",
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to reduce fragmentation",
-            "all of the above at once:\n       " + " ".join([launcher, *rewritten]),
-        ],
-        stage=Stage.OUT_OF_MEMORY,
-    )
-
-
-def unexpected_error(exc: BaseException) -> DistillError:
-    """Any other exception: its type, message and traceback, with the stage and step it happened in."""
-    import traceback
-
-    trace = "".join(traceback.format_exception(exc)).rstrip()
-    if is_peer_lost(exc):
-        return DistillError(
-            f"lost contact with another rank during {Progress.where()} (SECONDARY failure)",
-            f"{type(exc).__name__}: {exc}",
-            causes=[
-                "another rank died first: look for its own error banner above, or for 'SIGKILL' / "
-                "'Signals.SIGKILL' in torchrun's summary (the host OOM killer does this)",
-                "a network problem between nodes",
-            ],
-            fixes=[
-                "fix the first rank's failure; this rank only stopped because of it",
-                "if a rank was SIGKILLed, check `dmesg | grep -i oom` and reduce host memory use",
-                "rerun with --resume auto to continue from the last checkpoint",
-            ],
-            stage=Stage.TRAINING,
-        )
-    return DistillError(
-        f"unexpected {type(exc).__name__} during {Progress.where()}",
-        f"{exc}\n\n{trace}",
-        fixes=[
-            "rerun with --resume auto: training continues from the last complete checkpoint",
-            "if it happens again, report it with the traceback above and your command line",
-        ],
-        stage=Stage.INTERNAL,
-    )

@@ -1,21 +1,24 @@
 """Rehearse failures on purpose: `DISTILL_INJECT_FAULT=KIND:STEP[@RANK]` (comma-separated for several).
 
-KIND is one of exception, oom, nan, sigterm, kill. At optimizer step STEP (counted from 1, on
-RANK only if given) the trainer raises, runs out of memory, produces a non-finite loss, gets
-SIGTERM or is SIGKILLed, exactly as a real failure would look. Faults fire only in torchrun's
-first attempt, so a restarted run recovers. Unset, it does nothing.
+KIND is one of exception, oom, nan, sigterm, kill, hang, worker_abort. At optimizer step STEP
+(counted from 1, on RANK only if given) the trainer raises, runs out of memory, produces a
+non-finite loss, gets SIGTERM, is SIGKILLed, stops making progress (for the stall watchdog), or
+has its DataLoader worker processes die of SIGABRT, exactly as a real failure would look. Faults
+fire only in torchrun's first attempt, so a restarted run recovers. Unset, it does nothing.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 from distill.errors import DistillError, Stage
 
 ENV = "DISTILL_INJECT_FAULT"
-KINDS = ("exception", "oom", "nan", "sigterm", "kill")
+KINDS = ("exception", "oom", "nan", "sigterm", "kill", "hang", "worker_abort")
 
 
 class InjectedFault(RuntimeError):
@@ -75,6 +78,24 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGTERM)
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "hang":
+                while True:  # no progress, no exit: what a stuck collective or read looks like
+                    time.sleep(60)
+            if fault.kind == "worker_abort":
+                abort_dataloader_workers(step, self.rank)
+
+
+def abort_dataloader_workers(step: int, rank: int) -> None:
+    """SIGABRT to this process's DataLoader workers: each dies as if it had called abort()."""
+    workers = multiprocessing.active_children()
+    if not workers:
+        raise DistillError(
+            f"{ENV}=worker_abort:{step} needs DataLoader worker processes, but rank {rank} has none",
+            fixes=["add --num_workers 1 (or more) to the command"],
+            stage=Stage.CONFIG,
+        )
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGABRT)
 
 
 def torch_oom(message: str) -> Exception:

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distill import checkpoint as ckpt
 from distill import distributed as dist_utils
+from distill import watchdog
 from distill.config import TrainConfig
 from distill.data import DistillationDataset, ResumableSampler
 from distill.errors import DistillError, Progress, Stage
@@ -206,6 +207,7 @@ class TrainingLoop:
     def save(self) -> Path | None:
         """Rank 0 writes the checkpoint; every rank learns whether it worked and stops together if not."""
         Progress.enter(Stage.CHECKPOINT, self.step)
+        watchdog.pause()  # saves, samples and evaluations may take long: not watched
         error: DistillError | None = None
         path = None
         if self.ctx.is_main:
@@ -378,6 +380,9 @@ class TrainingLoop:
         cfg = self.cfg
         next_step = self.step + 1
         Progress.enter(Stage.TRAINING, next_step)
+        watchdog.beat(
+            Stage.TRAINING, next_step
+        )  # a step (all its updates) must finish within --stall_timeout
         self.faults.before_step(next_step)
         norms: dict[str, torch.Tensor] = {}
         outcomes: list[str] = []
@@ -475,6 +480,7 @@ class TrainingLoop:
     def _observe(self, monitor: SampleMonitor, tracker: Tracker, final: bool = False) -> None:
         """Samples and the student-vs-teacher report when due (every rank takes part), logged on rank 0."""
         Progress.enter(Stage.TRAINING, self.step)
+        watchdog.pause()
         force_samples = final and monitor.settings.save_samples and not monitor.samples_due(self.step)
         files = monitor.after_step(self.step, self.student, self.ema, force=force_samples)
         report = monitor.evaluate(self.step, self.student, self.ema)

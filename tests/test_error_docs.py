@@ -21,7 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from distill import distributed, errors  # noqa: E402
+from distill import diagnose, distributed, errors, watchdog  # noqa: E402
 from distill.config import parse_config  # noqa: E402
 from distill.errors import DistillError, Progress, Stage, format_banner  # noqa: E402
 from distill.launch_check import launch_error  # noqa: E402
@@ -75,25 +75,77 @@ def _out_of_memory() -> DistillError:
     exc = torch.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB"
     )
-    return errors.out_of_memory_error(exc)
+    return diagnose.out_of_memory_error(exc, gpu=True)  # as on a GPU node, whatever runs the test
 
 
 def _unexpected() -> DistillError:
     Progress.enter(Stage.TRAINING, 1200)
-    return errors.unexpected_error(ValueError("cannot reshape tensor of 0 elements into shape [0, -1]"))
+    return diagnose.failure_report(ValueError("cannot reshape tensor of 0 elements into shape [0, -1]"))
 
 
 def _peer_lost() -> DistillError:
     Progress.enter(Stage.TRAINING, 57)
-    return errors.unexpected_error(
+    return diagnose.failure_report(
         RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
     )
 
 
-def _nccl_without_cuda() -> DistillError:
+def _nccl_without_cuda(variable: bool = False) -> DistillError:
     if torch.cuda.is_available():
         pytest.skip("CUDA present: nccl is valid on this machine")
-    return _raised(lambda: distributed.choose_backend("nccl"))
+    if variable:
+        os.environ["DDP_BACKEND"] = "nccl"
+    return _raised(lambda: distributed.choose_backend("auto" if variable else "nccl"))
+
+
+def _dataloader_worker() -> DistillError:
+    Progress.argv = ["--teacher_path", "models/Wan2.2-T2V-A14B-Diffusers", "--student_config",
+                     "config/student_config.json", "--data_path", "data/static_prompts.txt",
+                     "--output_dir", "outputs/run1", "--num_workers", "4"]  # fmt: skip
+    Progress.enter(Stage.TRAINING, 311)
+    diagnose.shared_memory_picture = lambda: "/dev/shm: 0.00 GiB free of 0.06 GiB"  # docker's default
+    return diagnose.failure_report(
+        RuntimeError("DataLoader worker (pid 48113) is killed by signal: Bus error. ")
+    )
+
+
+def _ddp_unused_parameters() -> DistillError:
+    Progress.enter(Stage.TRAINING, 2)
+    return diagnose.failure_report(
+        RuntimeError(
+            "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+            "indicates that your module has parameters that were not used in producing loss.\n"
+            "Parameter indices which did not receive grad for rank 1: 13 14 15 16 17 18 19 20"
+        )
+    )
+
+
+def _nccl_in_training() -> DistillError:
+    Progress.enter(Stage.TRAINING, 40)
+    return diagnose.failure_report(
+        torch.distributed.DistBackendError(
+            "NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, unhandled system error "
+            "(run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5"
+        )
+    )
+
+
+def _nccl_timeout() -> DistillError:
+    Progress.enter(Stage.TRAINING, 40)
+    return diagnose.failure_report(
+        torch.distributed.DistBackendError(
+            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=83, OpType=ALLREDUCE, "
+            "NumelIn=2, NumelOut=2, Timeout(ms)=600000) ran for 600042 milliseconds before timing out."
+        )
+    )
+
+
+def _stalled() -> DistillError:
+    location = (
+        "/usr/lib/python3.11/site-packages/torch/autograd/graph.py:829 in _engine_run_backward\n"
+        "  called from /work/distill/loop.py:311 in micro_step"
+    )
+    return watchdog.stall_error(Stage.TRAINING, 3, 600.0, location)
 
 
 EXAMPLES: dict[str, Callable[[], DistillError]] = {
@@ -103,29 +155,38 @@ EXAMPLES: dict[str, Callable[[], DistillError]] = {
     "torchrun-flag-after-script": lambda: _raised(lambda: parse_config(["--nproc_per_node=8"])),
     "nccl-without-cuda": _nccl_without_cuda,
     "local-rank-without-gpu": lambda: distributed.local_rank_error(1, 1),
+    "ddp-backend-nccl-without-cuda": lambda: _nccl_without_cuda(variable=True),
     "init-process-group": lambda: distributed.init_failure_error(
         RuntimeError(
             "The client socket has timed out after 600000ms while trying to connect to (node-a, 29500)."
         ),
         60,
+        "nccl",
     ),
     "teacher-missing": lambda: _raised(lambda: inspect_teacher("/data/Wan2.2-T2V-A14B-Diffusers")),
     "out-of-memory": _out_of_memory,
+    "dataloader-worker": _dataloader_worker,
+    "ddp-unused-parameters": _ddp_unused_parameters,
+    "nccl-in-training": _nccl_in_training,
+    "nccl-timeout": _nccl_timeout,
+    "stalled": _stalled,
     "unexpected": _unexpected,
     "peer-lost": _peer_lost,
 }
 
 
 def render(name: str) -> str:
-    saved_env, saved_picture = dict(os.environ), errors.memory_picture
+    saved_env, saved_pictures = dict(os.environ), (errors.memory_picture, diagnose.shared_memory_picture)
     try:
+        os.environ.pop("DDP_BACKEND", None)
         os.environ.update(TORCHRUN_ENV)
         return format_banner(EXAMPLES[name](), rank=1) + "\n"
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
-        errors.memory_picture = saved_picture
+        errors.memory_picture, diagnose.shared_memory_picture = saved_pictures
         Progress.enter(Stage.SETUP)
+        Progress.argv = []
 
 
 def test_every_example_is_in_the_document() -> None:
