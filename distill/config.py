@@ -24,6 +24,12 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **extr
     return field(default=default, metadata={"help": help, "choices": choices, **extra})
 
 
+def parse_betas(text: str) -> tuple[float, float]:
+    """AdamW betas from 'beta1,beta2' (ValueError when it is not two numbers)."""
+    first, second = (float(v) for v in text.split(","))
+    return first, second
+
+
 @dataclass
 class TrainConfig:
     # --- where things are -------------------------------------------------------------------
@@ -105,6 +111,9 @@ class TrainConfig:
     critic_updates: int = _opt(5, "dmd: critic updates per generator update.")
     critic_lr: float | None = _opt(None, "dmd: peak learning rate of the critic's AdamW (default: --lr).")
     critic_betas: str = _opt("0,0.999", "dmd: AdamW betas of the critic, as 'beta1,beta2'.")
+    generator_betas: str = _opt(
+        "0,0.999", "dmd: AdamW betas of the student (generator), as 'beta1,beta2' (velocity: AdamW's own)."
+    )
     dmd_inputs: str = _opt(
         "simulate",
         "dmd: the generator's inputs: simulate (its own rollout from noise to a random step) or data "
@@ -151,7 +160,11 @@ class TrainConfig:
     )
     sample_interval: int = _opt(500, "Steps between sample rounds.")
     sample_dir: str | None = _opt(None, "Where samples and grids go (default <output_dir>/samples).")
-    sample_steps: int = _opt(30, "Sampler steps for samples, teacher references and the evaluation.")
+    sample_steps: int = _opt(
+        30,
+        "Sampler steps for samples, teacher references and the evaluation (dmd: the teacher's; the "
+        "student uses --student_steps).",
+    )
     sample_seed: int = _opt(0, "Prompt i is sampled with seed sample_seed + i, teacher and student alike.")
     eval_interval: int = _opt(0, "Steps between student-vs-teacher reports (eval.json, eval.png); 0 = off.")
     eval_prompts: str | None = _opt(None, "Prompts for the report (default: the sample prompts).")
@@ -318,16 +331,17 @@ class TrainConfig:
     def _validate_method(self) -> None:
         if self.method != "dmd":
             return
-        try:
-            betas = self.critic_betas_tuple
-        except ValueError:
-            betas = (-1.0, -1.0)
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise _config_error(
-                "critic_betas",
-                f"must be two numbers in [0, 1) like 0,0.999, got {self.critic_betas!r}",
-                "try --critic_betas 0,0.999",
-            )
+        for name in ("critic_betas", "generator_betas"):
+            try:
+                betas = parse_betas(getattr(self, name))
+            except ValueError:
+                betas = (-1.0, -1.0)
+            if not all(0.0 <= b < 1.0 for b in betas):
+                raise _config_error(
+                    name,
+                    f"must be two numbers in [0, 1) like 0,0.999, got {getattr(self, name)!r}",
+                    f"try --{name} 0,0.999",
+                )
         if self.critic_lr is not None and self.critic_lr <= 0:
             raise _config_error(
                 "critic_lr", f"must be positive, got {self.critic_lr}", "try --critic_lr 2e-6"
@@ -343,8 +357,11 @@ class TrainConfig:
 
     @property
     def critic_betas_tuple(self) -> tuple[float, float]:
-        first, second = (float(v) for v in self.critic_betas.split(","))
-        return first, second
+        return parse_betas(self.critic_betas)
+
+    @property
+    def generator_betas_tuple(self) -> tuple[float, float]:
+        return parse_betas(self.generator_betas)
 
     def _resolve_placement_aliases(self) -> None:
         """Fold --teacher_on_cpu and the origin --teacher_device_strategy into --teacher_placement."""

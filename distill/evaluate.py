@@ -2,7 +2,8 @@
 
     python -m distill.evaluate --student outputs/run1/student \
         --prompts data/sample_prompts.txt --output_dir outputs/run1/eval \
-        [--teacher_path T --height H --width W --num_frames F --steps N --seed 0 --num_buckets 10 --samples_per_bucket 1]
+        [--teacher_path T --height H --width W --num_frames F --steps N --teacher_steps M --seed 0
+         --num_buckets 10 --samples_per_bucket 1]
 
 Every setting left out comes from the run that made the student (`run_settings.json` in or beside
 the student folder): teacher, training resolution and frames, sample steps, the teacher's guidance
@@ -11,7 +12,11 @@ before anything loads.
 
 The teacher is Wan 2.2 A14B as it is meant to be used: both experts, switched at
 t = boundary_ratio * 1000, each with classifier-free guidance (4.0 / 3.0). The student runs alone
-at guidance 1. Prompt i always starts from the noise of seed `seed + i`.
+at guidance 1, with `--steps` steps (default: the run's). The teacher samples with `--teacher_steps`
+(default: the same for a velocity student; for a few-step (dmd) student the teacher's steps of
+its run, e.g. 40). A few-step student samples with its own K-step scheduler (recorded in
+run_settings.json), and the teacher is then also sampled at K steps: the baseline a few-step
+student has to beat. Prompt i always starts from the noise of seed `seed + i`.
 
 What eval.json holds, and which way is better:
 
@@ -28,11 +33,14 @@ What eval.json holds, and which way is better:
   `frame_mse` between the decoded frames in [0, 1] (LOWER is better) and `frame_psnr_db`
   = 10 log10(1 / frame_mse), averaged over prompts (HIGHER is better; capped at 100 dB when the
   frames are identical). Errors of every step add up here, so these move more slowly than the
-  denoiser numbers.
+  denoiser numbers. When the student has fewer steps than the teacher, `teacher_at_student_steps`
+  holds the same three numbers for the teacher at the student's step count (same noise, its own
+  scheduler and guidance) against itself at full steps.
 - `cost`: per sample, for teacher and student: `seconds_per_sample` (the sampling loop only, after
   one warm-up run; the VAE decode is the same for both and left out) and `forwards_per_sample`
   (transformer calls: 2 per step for the teacher, conditional + unconditional, and 1 for the
-  student). `speedup_seconds` and `speedup_forwards` are teacher / student: HIGHER is better.
+  student), each with its own `steps`. `speedup_seconds` and `speedup_forwards` are teacher at full
+  steps / student: HIGHER is better.
   Timings from the tiny CPU teacher say little about a GPU run; the forward counts hold anywhere.
 
 `evaluate_student` is the same report in-process; during training `distill.monitor.SampleMonitor`
@@ -89,6 +97,9 @@ BETTER = {
     "sampler.latent_mse": "lower",
     "sampler.frame_mse": "lower",
     "sampler.frame_psnr_db": "higher",
+    "sampler.teacher_at_student_steps.latent_mse": "lower",
+    "sampler.teacher_at_student_steps.frame_mse": "lower",
+    "sampler.teacher_at_student_steps.frame_psnr_db": "higher",
     "cost.*.seconds_per_sample": "lower",
     "cost.*.forwards_per_sample": "lower",
     "cost.speedup_seconds": "higher",
@@ -111,7 +122,7 @@ class EvalSettings:
     num_frames: int = 1
     """Frames per sample: 1 = image, 4k+1 = video."""
     steps: int = 30
-    """Sampler steps, the same for teacher and student."""
+    """Teacher sampler steps (and the student's, unless student_steps is set)."""
     seed: int = 0
     """Prompt i starts from the noise of seed `seed + i` (for both models)."""
     num_buckets: int = 10
@@ -124,6 +135,20 @@ class EvalSettings:
     """Teacher guidance of the low-noise expert."""
     probe_batch: int = 1
     """Noised inputs per model forward in the denoiser comparison; the training batch size fits."""
+    student_steps: int | None = None
+    """Student sampler steps; None = `steps`. Fewer than `steps` also samples the teacher at these."""
+    student_scheduler: dict[str, Any] | None = None
+    """The student's own scheduler config (with `_class_name`), e.g. a dmd student's K-step one,
+    sampled by distill.few_step.sample_few_step; None = the teacher's scheduler in WanPipeline."""
+
+    @property
+    def steps_of_student(self) -> int:
+        return self.student_steps if self.student_steps is not None else self.steps
+
+    @property
+    def teacher_short_steps(self) -> int | None:
+        """The teacher's second, shorter run (the student's step count), if the student has fewer steps."""
+        return self.steps_of_student if self.steps_of_student < self.steps else None
 
 
 @dataclass
@@ -142,6 +167,8 @@ class TeacherReference:
     """Probe timesteps (K,), the same for every prompt."""
     targets: list[torch.Tensor] | None
     """Guided teacher velocity (K, C, F, h, w) at each probe, per item; None without probes."""
+    short: tuple[list[torch.Tensor], list[float], list[int]] | None = None
+    """(latents, seconds, forwards) of the teacher at the student's fewer steps; None if not fewer."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,16 +267,21 @@ def build_reference(
             settings.guidance_scale_2,
         )
 
+    def timed(steps: int) -> tuple[list[torch.Tensor], list[float], list[int]]:
+        latents, seconds, forwards = [], [], []
+        for index, _ in items:
+            _sync(device)
+            start = time.perf_counter()
+            with count_forwards(high, low) as calls:
+                latents.append(run(index, steps))
+            _sync(device)
+            seconds.append(time.perf_counter() - start)
+            forwards.append(calls[0])
+        return latents, seconds, forwards
+
     run(items[0][0], 2)  # warm-up: the first call pays one-off costs (allocator, kernels)
-    latents, seconds, forwards = [], [], []
-    for index, _ in items:
-        _sync(device)
-        start = time.perf_counter()
-        with count_forwards(high, low) as calls:
-            latents.append(run(index, settings.steps))
-        _sync(device)
-        seconds.append(time.perf_counter() - start)
-        forwards.append(calls[0])
+    latents, seconds, forwards = timed(settings.steps)
+    short = timed(settings.teacher_short_steps) if settings.teacher_short_steps else None
 
     timesteps = probe_timesteps(settings.num_buckets, settings.samples_per_bucket)
     targets = None
@@ -273,7 +305,7 @@ def build_reference(
                 for x, t in zip(x_t.split(settings.probe_batch), timesteps.split(settings.probe_batch))
             ]
             targets.append(torch.cat(chunks))
-    return TeacherReference(items, latents, seconds, forwards, timesteps, targets)
+    return TeacherReference(items, latents, seconds, forwards, timesteps, targets, short)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,22 +350,17 @@ def compare_student(
 ) -> list[dict[str, Any]]:
     """One record per prompt of this rank: sampler errors, cost and (with probes) denoiser errors.
 
-    The student must be in eval mode; it samples with guidance 1 from the same noise as the teacher.
+    The student must be in eval mode; it samples with guidance 1 from the same noise as the teacher,
+    with its own scheduler if `settings.student_scheduler` names one (a few-step student).
     """
-    shape = info.latent_shape(settings.height, settings.width, settings.num_frames)
-    pipe = student_pipeline(student, load_scheduler(info.path))
-
-    def run(index: int, steps: int) -> torch.Tensor:
-        noise = initial_noise(shape, settings.seed + index)
-        return sample_latents(pipe, noise, _cond(conds, index), None, steps, 1.0)
-
-    run(reference.items[0][0], 2)  # warm-up, as for the teacher
+    run = student_sampler(student, info, conds, settings)
+    run(reference.items[0][0], min(2, settings.steps_of_student))  # warm-up, as for the teacher
     records = []
     for position, (index, keep) in enumerate(reference.items):
         _sync(device)
         start = time.perf_counter()
         with count_forwards(student) as calls:
-            latent = run(index, settings.steps)
+            latent = run(index, settings.steps_of_student)
         _sync(device)
         seconds = time.perf_counter() - start
         probes = []
@@ -353,21 +380,63 @@ def compare_student(
         if not keep:
             continue
         teacher_latent = reference.latents[position]
-        records.append(
-            {
-                "index": index,
-                "prompt": prompts[index],
-                "latent_mse": float((latent - teacher_latent).pow(2).mean()),
-                "teacher_seconds": reference.seconds[position],
-                "teacher_forwards": reference.forwards[position],
-                "student_seconds": seconds,
-                "student_forwards": calls[0],
-                "probes": probes,
-                "_latents": (teacher_latent, latent),
-            }
-        )
+        record = {
+            "index": index,
+            "prompt": prompts[index],
+            "latent_mse": float((latent - teacher_latent).pow(2).mean()),
+            "teacher_seconds": reference.seconds[position],
+            "teacher_forwards": reference.forwards[position],
+            "student_seconds": seconds,
+            "student_forwards": calls[0],
+            "probes": probes,
+            "_latents": (teacher_latent, latent),
+        }
+        if reference.short is not None:
+            short_latent = reference.short[0][position]
+            record.update(
+                {
+                    "teacher_short_latent_mse": float((short_latent - teacher_latent).pow(2).mean()),
+                    "teacher_short_seconds": reference.short[1][position],
+                    "teacher_short_forwards": reference.short[2][position],
+                    "_short_latent": short_latent,
+                }
+            )
+        records.append(record)
     _add_frame_errors(records, info.path, device)
     return records
+
+
+def student_sampler(
+    student: torch.nn.Module,
+    info: TeacherInfo,
+    conds: Mapping[int, torch.Tensor],
+    settings: EvalSettings,
+) -> Callable[[int, int], torch.Tensor]:
+    """`run(prompt index, steps) -> final latent (C, F, h, w)` of the student at guidance 1, from the
+    teacher's starting noise: in WanPipeline with the teacher's scheduler, or, for a few-step student,
+    with its own scheduler (the rollout it was trained on, re-noising from seed + index)."""
+    from distill.few_step import sample_few_step
+    from distill.sampling import scheduler_from_config
+
+    shape = info.latent_shape(settings.height, settings.width, settings.num_frames)
+    if settings.student_scheduler is None:
+        pipe = student_pipeline(student, load_scheduler(info.path))
+
+        def run(index: int, steps: int) -> torch.Tensor:
+            noise = initial_noise(shape, settings.seed + index)
+            return sample_latents(pipe, noise, _cond(conds, index), None, steps, 1.0)
+
+        return run
+
+    scheduler = scheduler_from_config(settings.student_scheduler)
+
+    def run_few_step(index: int, steps: int) -> torch.Tensor:
+        seed = settings.seed + index
+        noise = initial_noise(shape, seed)
+        latent = sample_few_step(student, scheduler, steps, _cond(conds, index), shape, seed, noise)
+        return latent[0].cpu()
+
+    return run_few_step
 
 
 def _add_frame_errors(records: list[dict[str, Any]], teacher_path: Path, device: torch.device) -> None:
@@ -380,6 +449,10 @@ def _add_frame_errors(records: list[dict[str, Any]], teacher_path: Path, device:
             a, b = decode_latents(teacher_latent, vae), decode_latents(student_latent, vae)
             record["frame_mse"] = float(np.mean((a - b) ** 2))
             record["frame_psnr_db"] = psnr_db(record["frame_mse"])
+            if "_short_latent" in record:
+                c = decode_latents(record.pop("_short_latent"), vae)
+                record["teacher_short_frame_mse"] = float(np.mean((a - c) ** 2))
+                record["teacher_short_frame_psnr_db"] = psnr_db(record["teacher_short_frame_mse"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,6 +523,8 @@ def summarize(
             "settings": asdict(settings),
             "denoiser": _denoiser_summary(probes, settings.num_buckets, boundary) if probes else None,
             "sampler": {
+                "student_steps": settings.steps_of_student,
+                "teacher_steps": settings.steps,
                 "latent_mse": _mean([r["latent_mse"] for r in records]),
                 "frame_mse": _mean([r["frame_mse"] for r in records]),
                 "frame_psnr_db": _mean([r["frame_psnr_db"] for r in records]),
@@ -468,8 +543,9 @@ def summarize(
                 "student": {
                     "seconds_per_sample": student_s,
                     "forwards_per_sample": student_f,
-                    "steps": settings.steps,
+                    "steps": settings.steps_of_student,
                     "guidance_scale": [1.0],
+                    "scheduler": (settings.student_scheduler or {}).get("_class_name", "the teacher's"),
                 },
                 "speedup_seconds": teacher_s / max(student_s, 1e-12),
                 "speedup_forwards": teacher_f / max(student_f, 1e-12),
@@ -477,6 +553,19 @@ def summarize(
             "better": BETTER,
         }
     )
+    if records and "teacher_short_latent_mse" in records[0]:
+        result["sampler"]["teacher_at_student_steps"] = {
+            "steps": settings.teacher_short_steps,
+            "latent_mse": _mean([r["teacher_short_latent_mse"] for r in records]),
+            "frame_mse": _mean([r["teacher_short_frame_mse"] for r in records]),
+            "frame_psnr_db": _mean([r["teacher_short_frame_psnr_db"] for r in records]),
+        }
+        result["cost"]["teacher_at_student_steps"] = {
+            "seconds_per_sample": _mean([r["teacher_short_seconds"] for r in records]),
+            "forwards_per_sample": _mean([r["teacher_short_forwards"] for r in records]),
+            "steps": settings.teacher_short_steps,
+            "guidance_scale": [settings.guidance_scale, settings.guidance_scale_2],
+        }
     return result
 
 
@@ -489,6 +578,10 @@ def flat_metrics(result: Mapping[str, Any], prefix: str = "eval/") -> dict[str, 
         "speedup_seconds": result["cost"]["speedup_seconds"],
         "speedup_forwards": result["cost"]["speedup_forwards"],
     }
+    short = result["sampler"].get("teacher_at_student_steps")
+    if short:  # the baseline a few-step student has to beat
+        metrics["teacher_at_student_steps_latent_mse"] = short["latent_mse"]
+        metrics["teacher_at_student_steps_frame_psnr_db"] = short["frame_psnr_db"]
     denoiser = result.get("denoiser")
     if denoiser:
         metrics["denoiser_mse"] = denoiser["mse"]
@@ -620,7 +713,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num_frames", type=int, help=f"1 = image, 4k+1 = video ({run} {defaults.num_frames})."
     )
-    parser.add_argument("--steps", type=int, help=f"Sampler steps for both models ({run} {defaults.steps}).")
+    parser.add_argument(
+        "--steps", type=int, help=f"Student sampler steps ({run} {defaults.steps}; a dmd student's K)."
+    )
+    parser.add_argument(
+        "--teacher_steps",
+        type=int,
+        help="Teacher sampler steps (default: --steps for a velocity student; for a few-step student "
+        "the teacher steps of its run, also sampled at --steps for comparison).",
+    )
     parser.add_argument("--seed", type=int, help=f"Prompt i uses seed + i ({run} {defaults.seed}).")
     parser.add_argument("--num_buckets", type=int, default=defaults.num_buckets)
     parser.add_argument("--samples_per_bucket", type=int, default=defaults.samples_per_bucket)
@@ -685,6 +786,10 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
     for name, value in defaults.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+    # A few-step student samples with its own scheduler; its teacher at the run's full step count.
+    args.student_scheduler = run.scheduler if run else None
+    if args.teacher_steps is None:
+        args.teacher_steps = run.teacher_sample_steps if run and run.scheduler else args.steps
     if not args.teacher_path:
         raise DistillError(
             "--teacher_path is required",
@@ -710,7 +815,14 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
 
     student_dir = require_student_folder(args.student)
     found = resolve_defaults(args)
-    for name in ("steps", "max_sequence_length", "num_buckets", "samples_per_bucket", "batch_size"):
+    for name in (
+        "steps",
+        "teacher_steps",
+        "max_sequence_length",
+        "num_buckets",
+        "samples_per_bucket",
+        "batch_size",
+    ):
         if getattr(args, name) <= 0:
             raise DistillError(
                 f"--{name} must be a positive integer, got {getattr(args, name)}",
@@ -728,11 +840,14 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         fixes=trained_size_fix(found),
     )
     logger.info(
-        "evaluating at %dx%d, %d frame(s), %d steps, teacher guidance %s / %s, max_sequence_length %d (%s)",
+        "evaluating at %dx%d, %d frame(s), student %d steps (%s), teacher %d steps, teacher guidance %s / %s, "
+        "max_sequence_length %d (%s)",
         args.height,
         args.width,
         args.num_frames,
         args.steps,
+        (args.student_scheduler or {}).get("_class_name", "the teacher's scheduler"),
+        args.teacher_steps,
         args.guidance_scale,
         args.guidance_scale_2,
         args.max_sequence_length,
@@ -751,13 +866,15 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         height=args.height,
         width=args.width,
         num_frames=args.num_frames,
-        steps=args.steps,
+        steps=args.teacher_steps,
         seed=args.seed,
         num_buckets=args.num_buckets,
         samples_per_bucket=args.samples_per_bucket,
         guidance_scale=args.guidance_scale,
         guidance_scale_2=args.guidance_scale_2,
         probe_batch=args.batch_size,
+        student_steps=args.steps,
+        student_scheduler=args.student_scheduler,
     )
     extra = {
         "student": str(student_dir.resolve()),
@@ -788,6 +905,12 @@ def main(argv: list[str] | None = None) -> int:
     except DistillError as error:
         return report(error)
     denoiser, sampler, cost = result["denoiser"], result["sampler"], result["cost"]
+    short = sampler.get("teacher_at_student_steps")
+    if short:
+        print(
+            f"student at {sampler['student_steps']} steps: latent MSE {sampler['latent_mse']:.4g} to the teacher "
+            f"at {sampler['teacher_steps']}; the teacher itself at {short['steps']} steps: {short['latent_mse']:.4g}"
+        )
     print(
         f"denoiser MSE {denoiser['mse']:.4g} (high-noise {denoiser['by_expert']['high_noise']['mse']:.4g}, "
         f"low-noise {denoiser['by_expert']['low_noise']['mse']:.4g}); sampler latent MSE "

@@ -114,11 +114,14 @@ def sample_few_step(
     prompt_embeds: torch.Tensor,
     latent_shape: tuple[int, ...],
     seed: int,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A K-step sample (B, C, F, H, W) of the student for `prompt_embeds` (B, L, D), float32.
 
     Equals stock WanPipeline(transformer=student, scheduler=<the exported one>) called with
     num_inference_steps=steps, guidance_scale=1.0 and no generator after torch.manual_seed(seed).
+    `noise` (B, C, F, H, W) replaces the starting noise (e.g. the teacher's, drawn on the CPU, to
+    compare both from the same start); the re-noising stream is the same either way.
     """
     device = next(student.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
@@ -128,7 +131,9 @@ def sample_few_step(
 
     timesteps, sigmas = student_grid(scheduler, steps)
     cond = prompt_embeds.to(device, getattr(student, "dtype", torch.float32))
-    x = draw((cond.shape[0], *latent_shape))
+    x = draw((cond.shape[0], *latent_shape))  # drawn even when replaced: the stream stays aligned
+    if noise is not None:
+        x = noise.to(device, torch.float32).reshape(x.shape)
     return rollout(student, x, cond, timesteps, sigmas, draw).float()
 
 

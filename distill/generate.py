@@ -7,7 +7,7 @@
         --output teacher_samples/                                                 # the teacher, for reference
 
 The student runs alone in WanPipeline with guidance 1 (one forward per step); the tokenizer,
-text encoder, VAE and scheduler come from the teacher folder. `--teacher_only` runs both teacher
+text encoder, VAE and (unless the run recorded its own) scheduler come from the teacher folder. `--teacher_only` runs both teacher
 experts with their guidance (4.0 / 3.0) instead.
 
 Every sampling flag left out comes from the run that made the student (`run_settings.json` in or
@@ -15,6 +15,9 @@ beside the student folder): the teacher, the training resolution and frame count
 guidance it samples with and the max_sequence_length it was trained with (the prompt padding
 changes the output). A size the model cannot handle is refused before anything loads. Prompt i starts from the noise of seed `--seed + i`,
 the same noise as `WanPipeline(..., generator=torch.Generator("cpu").manual_seed(seed + i))`.
+A few-step (dmd) student samples with its run's K-step scheduler (in run_settings.json), K steps,
+guidance 1; that scheduler re-noises from the global RNG, so prompt i is what the stock pipeline
+gives after `torch.manual_seed(seed + i)` with no generator (= distill.few_step.sample_few_step).
 
 One prompt: --output is the file (.png for 1 frame, .mp4 otherwise; the suffix is added when
 missing). Several prompts (--prompts_file, or --prompt given more than once) or an existing
@@ -284,6 +287,7 @@ def build_pipeline(
         return teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path), **shared)
     if run is not None and run.scheduler:
         scheduler = scheduler_from_config(run.scheduler)
+        logger.info("the student samples with its run's %s (%s)", type(scheduler).__name__, run.method)
     else:
         scheduler = load_scheduler(info.path)
     return student_pipeline(student, scheduler, **shared)
@@ -345,6 +349,14 @@ def render(pipe: Any, args: argparse.Namespace, prompt: str, seed: int, output_t
     """One sample with the resolved settings of `args`: frames (F, H, W, 3) in [0, 1], or the
     final latent with output_type="latent"."""
     extra = {"guidance_scale_2": args.guidance_2} if args.teacher_only else {}
+    generator = torch.Generator("cpu").manual_seed(seed)
+    if getattr(pipe.scheduler.config, "stochastic_sampling", False):
+        # A few-step student's scheduler re-noises at every step from the global RNG (WanPipeline
+        # gives scheduler.step no generator): seed that, and draw the start from the same stream,
+        # as distill.few_step.sample_few_step(..., seed) does. A CPU generator for the start would
+        # repeat its draw as the first re-noising.
+        torch.manual_seed(seed)
+        generator = None
     return pipe(
         prompt=prompt,
         negative_prompt=args.negative_prompt,
@@ -353,7 +365,7 @@ def render(pipe: Any, args: argparse.Namespace, prompt: str, seed: int, output_t
         num_frames=args.num_frames,
         num_inference_steps=args.steps,
         guidance_scale=args.guidance,
-        generator=torch.Generator("cpu").manual_seed(seed),
+        generator=generator,
         output_type=output_type,
         max_sequence_length=args.max_sequence_length,
         **extra,

@@ -42,6 +42,7 @@ from distill.evaluate import (
     compare_student,
     flat_metrics,
     gather_and_write,
+    student_sampler,
 )
 from distill.sampling import (
     decode_with_teacher_vae,
@@ -113,6 +114,12 @@ class SampleSettings:
     """Rows the prompt embeddings are zero-padded to, as in training."""
     batch_size: int = 1
     """Noised inputs per forward in the report: the training batch size, known to fit in memory."""
+    method: str = "velocity"
+    """The training method: dmd students sample with their own K-step scheduler."""
+    student_steps: int = 4
+    """dmd: the student's sampler steps K (the teacher keeps sample_steps)."""
+    student_shift: float = 5.0
+    """dmd: shift of the student's K-step flow-match scheduler."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> SampleSettings:
@@ -147,6 +154,19 @@ class SampleSettings:
                 stage=Stage.CONFIG,
             )
 
+    @property
+    def few_step(self) -> bool:
+        return self.method == "dmd"
+
+    def student_scheduler(self) -> dict[str, Any] | None:
+        """A few-step student's scheduler config (what it is exported with); None = the teacher's."""
+        if not self.few_step:
+            return None
+        from distill.few_step import few_step_scheduler
+
+        scheduler = few_step_scheduler(self.student_shift)
+        return {"_class_name": type(scheduler).__name__, **dict(scheduler.config)}
+
     def eval_settings(self) -> EvalSettings:
         return EvalSettings(
             height=self.height,
@@ -159,6 +179,8 @@ class SampleSettings:
             guidance_scale=self.guidance_scale,
             guidance_scale_2=self.guidance_scale_2,
             probe_batch=self.batch_size,
+            student_steps=self.student_steps if self.few_step else None,
+            student_scheduler=self.student_scheduler(),
         )
 
 
@@ -341,24 +363,37 @@ class SampleMonitor:
             ("teacher latent", self._teacher_previews),
             ("student latent", self._collect_previews(step)),
         ]
+        settings = self.settings
+        student_steps = settings.student_steps if settings.few_step else settings.sample_steps
         grid = write_grid(
             rows,
             self.sample_dir / f"grid_step_{step:08d}.png",
             prompts=self.samples.prompts,
-            title=f"step {step}: teacher (its guidance) vs student (guidance 1), same noise",
+            title=f"step {step}: teacher ({settings.sample_steps} steps, its guidance) vs student "
+            f"({student_steps} steps, guidance 1), same noise",
         )
         return [*files, grid]
 
     def _sample_student(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        if self._scheduler is None:
-            self._scheduler = load_scheduler(self.info.path)
-        pipe = student_pipeline(model, self._scheduler)
+        """The student's final latents from the teacher references' noise: with the teacher's scheduler
+        at sample_steps, or a dmd student's own K-step sampler (distill.few_step.sample_few_step)."""
+        settings = self.settings
+        if settings.few_step:
+            run = student_sampler(model, self.info, self.samples.conds, settings.eval_settings())
+            steps = settings.student_steps
+        else:
+            if self._scheduler is None:
+                self._scheduler = load_scheduler(self.info.path)
+            pipe = student_pipeline(model, self._scheduler)
+
+            def run(index: int, steps: int) -> torch.Tensor:
+                noise = initial_noise(self.latent_shape, settings.sample_seed + index)
+                return sample_latents(pipe, noise, self.samples.conds[index], None, steps, 1.0)
+
+            steps = settings.sample_steps
         latents = []
         for index, keep in self.samples.reference.items:
-            noise = initial_noise(self.latent_shape, self.settings.sample_seed + index)
-            latent = sample_latents(
-                pipe, noise, self.samples.conds[index], None, self.settings.sample_steps, 1.0
-            )
+            latent = run(index, steps)  # every item, as before: ranks sample alike
             if keep:
                 latents.append(latent)
         return latents

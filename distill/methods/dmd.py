@@ -140,7 +140,8 @@ class DmdMethod(Method):
                 "betas": self.cfg.critic_betas_tuple,
                 "weight_decay": self.cfg.weight_decay,
             }
-        return super().optimizer_settings(name)
+        # DMD2 runs both models with beta1 = 0: the generator's target moves with the critic.
+        return {**super().optimizer_settings(name), "betas": self.cfg.generator_betas_tuple}
 
     def metric_prefix(self, name: str) -> str:
         return "" if name == "student" else "critic_"
@@ -252,12 +253,12 @@ class DmdMethod(Method):
         )
 
     # -- reporting and state -------------------------------------------------------------------
-    def finish_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+    def finish_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         mean, std = self.env.latent_statistics()
         if "critic_sample_mean" in metrics:
             metrics["latent_mean_drift"] = metrics.pop("critic_sample_mean") - mean
             metrics["latent_std_ratio"] = metrics.pop("critic_sample_std") / max(std, 1e-12)
-        if "critic_loss" in metrics:
+        if metrics.get("critic_loss") is not None:  # null: every critic update since the last row skipped
             metrics.update(self.trend.add(metrics["critic_loss"]))
         return metrics
 
