@@ -147,6 +147,11 @@ class BenchSettings:
     compile: bool = False
     peak_tflops: float | None = None
     seed: int = 0
+    method: str = "velocity"
+    """velocity, or dmd: a bench step is then one cycle of the method, one generator update and
+    --critic_updates critic updates (that many `train_step` calls)."""
+    critic_updates: int = 5
+    student_steps: int = 4
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -341,6 +346,9 @@ def train_config(settings: BenchSettings, output_dir: Path) -> TrainConfig:
         seed=settings.seed,
         checkpoint_every=0,
         device=settings.device,
+        method=settings.method,
+        critic_updates=settings.critic_updates,
+        student_steps=settings.student_steps,
     )
 
 
@@ -353,20 +361,34 @@ def build_setup(settings: BenchSettings, output_dir: Path) -> Setup:
     high, low, teacher_config = build_teacher(settings, device, teacher_dtype)
     student_config = build_student_config(settings, teacher_config)
     student = make_student(settings, student_config, device)
+    # dmd's critic: the student's shape, initialised like it (another seed, as a separate model)
+    extra = {"critic": make_student(settings, student_config, device)} if settings.method == "dmd" else {}
     shape = latent_shape(settings.height, settings.width, settings.num_frames)
     dataset, negative = make_dataset(settings, shape, teacher_config["text_dim"], teacher_dtype)
     teacher = GuidedTeacher(high, low, BOUNDARY_RATIO, GUIDANCE_HIGH, GUIDANCE_LOW, device, teacher_dtype)
     run = InMemoryRun(ctx=DistContext(device=device), device=device)
     loop = TrainingLoop(
-        train_config(settings, output_dir), run, student, teacher, dataset, negative, output_dir
+        train_config(settings, output_dir), run, student, teacher, dataset, negative, output_dir, extra
     )
     if settings.compile:
+        for model in extra.values():
+            model.compile_repeated_blocks()
         student.compile_repeated_blocks()
         if not settings.teacher_on_cpu:  # group offloading's hooks and dynamo do not mix well
             high.compile_repeated_blocks()
             low.compile_repeated_blocks()
     return Setup(
-        settings, device, teacher_dtype, teacher_config, student_config, high, low, student, loop, shape
+        settings,
+        device,
+        teacher_dtype,
+        teacher_config,
+        student_config,
+        high,
+        low,
+        student,
+        loop,
+        shape,
+        extra,
     )
 
 
@@ -460,6 +482,102 @@ class BareLoop:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+class BareDmdLoop:
+    """One dmd cycle with nothing else: a generator update then `critic_updates` critic updates.
+
+    Generator update: the student's no-grad rollout from noise to a random step k of its K, its
+    forward with gradient there (x0_hat), x0_hat noised to a random t', the guided teacher (routed
+    by t') and the critic without gradient, the normalised DMD loss, backward, AdamW. Critic update:
+    the rollout to k and one more no-grad student forward (x0_hat), x0_hat noised to a shifted t,
+    the critic's forward and backward on the flow-matching loss, AdamW. The trainer's models and
+    optimizers; k, t' and t come from a generator seeded as the trainer's and drawn in the same
+    order, so both loops run the same rollout depths and route the same samples to the same experts.
+    """
+
+    def __init__(self, setup: Setup, pool: int = 2) -> None:
+        from distill.few_step import few_step_scheduler, student_grid
+
+        s, loop = setup.settings, setup.loop
+        self.velocity_loop = BareLoop(setup, 0, pool)  # its pool, dtype and guided teacher forward
+        self.student, self.critic = setup.student, setup.extra["critic"]
+        self.optimizers = loop.optimizers
+        self.device, self.shift, self.updates = setup.device, FLOW_SHIFT, s.critic_updates
+        self.batch, self.shape = s.batch_size, (s.batch_size, *setup.latent_shape)
+        self.timesteps, self.sigmas = student_grid(
+            few_step_scheduler(loop.cfg.student_shift), s.student_steps
+        )
+        self.cpu = torch.Generator().manual_seed(s.seed + 1)  # as TrainingLoop seeds its own
+        self.noise_generator = torch.Generator(self.device).manual_seed(s.seed + 2)
+        self.done = 0
+
+    def noise(self) -> torch.Tensor:
+        return torch.randn(self.shape, generator=self.noise_generator, device=self.device)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.velocity_loop.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+    def forward(
+        self, model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor
+    ) -> torch.Tensor:
+        with self.autocast():
+            return model(hidden_states=x, timestep=t, encoder_hidden_states=cond, return_dict=False)[
+                0
+            ].float()
+
+    def sample(self, cond: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x0_hat, the latent it came from) at a random student step, through the no-grad rollout."""
+        k = int(torch.randint(len(self.timesteps), (1,), generator=self.cpu).item())
+        x = self.noise()
+        with torch.no_grad():
+            for i in range(k):
+                t = self.timesteps[i].expand(self.batch).to(self.device)
+                x0 = x - self.sigmas[i] * self.forward(self.student, x, t, cond)
+                x = (1 - self.sigmas[i + 1]) * x0 + self.sigmas[i + 1] * self.noise()
+        t = self.timesteps[k].expand(self.batch).to(self.device)
+        with torch.set_grad_enabled(grad):
+            return x - self.sigmas[k] * self.forward(self.student, x, t, cond), x
+
+    def generator_update(self, cond: torch.Tensor) -> None:
+        x0_hat, _ = self.sample(cond, grad=True)
+        uniform = torch.rand(self.batch, generator=self.cpu, dtype=torch.float64)
+        sigma = (self.shift * uniform / (1 + (self.shift - 1) * uniform)).clamp(0.02, 0.98)
+        t = (sigma * NUM_TRAIN_TIMESTEPS).to(torch.int64)
+        sigma_dev = sigma.to(self.device, torch.float32).view(-1, 1, 1, 1, 1)
+        x_t = (1 - sigma_dev) * x0_hat.detach() + sigma_dev * self.noise()
+        with torch.no_grad():
+            real = x_t - sigma_dev * self.velocity_loop.teacher_velocity(x_t, t, t.to(self.device), cond)
+            fake = x_t - sigma_dev * self.forward(self.critic, x_t, t.to(self.device), cond)
+            scale = (x0_hat.detach() - real).abs().mean(dim=(1, 2, 3, 4), keepdim=True)
+            target = x0_hat.detach() - (fake - real) / scale
+        loss = 0.5 * (x0_hat - target).pow(2).mean()
+        loss.backward()
+        self.optimizers["student"].step()
+        self.optimizers["student"].zero_grad(set_to_none=True)
+
+    def critic_update(self, cond: torch.Tensor) -> None:
+        x0_hat, _ = self.sample(cond, grad=False)
+        sigma = sample_sigmas(self.batch, self.shift, self.cpu)
+        t = (sigma * NUM_TRAIN_TIMESTEPS).to(torch.int64).to(self.device)
+        sigma_dev = sigma.to(self.device, torch.float32).view(-1, 1, 1, 1, 1)
+        noise = self.noise()
+        x_t = (1 - sigma_dev) * x0_hat + sigma_dev * noise
+        loss = (self.forward(self.critic, x_t, t, cond) - (noise - x0_hat)).pow(2).mean()
+        loss.backward()
+        self.optimizers["critic"].step()
+        self.optimizers["critic"].zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        """One cycle: as `critic_updates` trainer steps (the first also updates the generator)."""
+        pool = self.velocity_loop.pool
+        for i in range(self.updates):
+            cond = pool[(self.done + i) % len(pool)][1]
+            if i == 0:
+                self.generator_update(cond)
+            self.critic_update(cond)
+        self.done += self.updates
+
+
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
@@ -472,16 +590,19 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
 
 
 class TrainerSteps:
-    """Calls `TrainingLoop.train_step` as `TrainingLoop.train` does; counts skipped steps."""
+    """Calls `TrainingLoop.train_step` as `TrainingLoop.train` does; counts skipped steps. One bench
+    step is `per_step` loop steps (dmd: a cycle of one generator and --critic_updates critic updates)."""
 
-    def __init__(self, loop: Any) -> None:
+    def __init__(self, loop: Any, per_step: int = 1) -> None:
         self.loop = loop
         self.batches = iter(loop.make_loader())
         self.skipped = 0
+        self.per_step = per_step
 
     def step(self) -> None:
-        _, stepped, _ = self.loop.train_step(self.batches)
-        self.skipped += not stepped
+        for _ in range(self.per_step):
+            _, stepped, _ = self.loop.train_step(self.batches)
+            self.skipped += not stepped
 
 
 def time_block(step: Callable[[], None], n: int, sync: Callable[[], None]) -> float:
@@ -510,11 +631,11 @@ def interleaved(
 class _TimedBackward:
     """What `scaler.scale(loss)` returns during the phase pass: its `.backward()` is timed."""
 
-    def __init__(self, loss: torch.Tensor, clock: PhaseClock) -> None:
-        self.loss, self.clock = loss, clock
+    def __init__(self, loss: torch.Tensor, clock: PhaseClock, name: str = "student_backward") -> None:
+        self.loss, self.clock, self.name = loss, clock, name
 
     def backward(self, *args: Any, **kwargs: Any) -> None:
-        with self.clock.phase("student_backward"):
+        with self.clock.phase(self.name):
             self.loss.backward(*args, **kwargs)
 
 
@@ -522,9 +643,24 @@ class PhaseClock:
     """Hooks on the parts of `train_step`, each synchronised before and after, summed per step."""
 
     PHASES = ("data", "teacher", "student_forward", "student_backward", "optimizer")
+    # dmd: the no-grad student forwards (rollouts and the critic's samples), the guided teacher's
+    # (real) and the critic's (fake) score, the generator's forward/backward/AdamW and the critic's.
+    DMD_PHASES = (
+        "data",
+        "student_sampling",
+        "teacher_real_score",
+        "critic_fake_score",
+        "generator_forward",
+        "generator_backward",
+        "generator_optimizer",
+        "critic_forward",
+        "critic_backward",
+        "critic_optimizer",
+    )
 
-    def __init__(self, sync: Callable[[], None]) -> None:
+    def __init__(self, sync: Callable[[], None], phases: tuple[str, ...] = PHASES) -> None:
         self.sync = sync
+        self.phases = phases
         self.current: dict[str, float] = {}
         self._starts: dict[str, float] = {}
 
@@ -589,15 +725,70 @@ def instrumented(steps: TrainerSteps, clock: PhaseClock) -> Iterator[None]:
         del teacher.velocity, scaler.scale  # the class attributes show through again
 
 
-def phase_pass(steps: TrainerSteps, n: int, sync: Callable[[], None]) -> dict[str, list[float]]:
+@contextlib.contextmanager
+def instrumented_dmd(steps: TrainerSteps, clock: PhaseClock) -> Iterator[None]:
+    """The dmd phases: hooks on the teacher, both models (split by whether the forward carries a
+    gradient), both grad scalers and both optimizers; removed after."""
+    loop = steps.loop
+    teacher = loop.teacher
+    original_batches = steps.batches
+    teacher.velocity = clock.timed("teacher_real_score", teacher.velocity)
+    open_forwards: list[str] = []
+
+    def forward_phase(model: str) -> tuple[Callable[..., None], Callable[..., None]]:
+        def before(*_: Any) -> None:
+            grad = torch.is_grad_enabled()
+            name = {
+                ("student", True): "generator_forward",
+                ("student", False): "student_sampling",
+                ("critic", True): "critic_forward",
+                ("critic", False): "critic_fake_score",
+            }[(model, grad)]
+            open_forwards.append(name)
+            clock.start(name)
+
+        def after(*_: Any) -> None:
+            clock.stop(open_forwards.pop())
+
+        return before, after
+
+    handles = []
+    for model in ("student", "critic"):
+        before, after = forward_phase(model)
+        module = loop.models[model]
+        handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+        name = "generator" if model == "student" else "critic"
+        optimizer = loop.optimizers[model]
+        handles += [
+            optimizer.register_step_pre_hook(lambda *_, n=name: clock.start(f"{n}_optimizer")),
+            optimizer.register_step_post_hook(lambda *_, n=name: clock.stop(f"{n}_optimizer")),
+        ]
+        scaler = loop.scalers[model]
+        scale = scaler.scale
+        scaler.scale = lambda loss, scale=scale, n=name: _TimedBackward(scale(loss), clock, f"{n}_backward")
+    steps.batches = _TimedIterator(original_batches, clock)
+    try:
+        yield
+    finally:
+        steps.batches = original_batches
+        for handle in handles:
+            handle.remove()
+        del teacher.velocity
+        for model in ("student", "critic"):
+            del loop.scalers[model].scale
+
+
+def phase_pass(
+    steps: TrainerSteps, n: int, sync: Callable[[], None], dmd: bool = False
+) -> dict[str, list[float]]:
     """Seconds per phase for each of `n` instrumented trainer steps; "other" is the step's remainder."""
-    clock = PhaseClock(sync)
-    per_phase: dict[str, list[float]] = {name: [] for name in (*PhaseClock.PHASES, "other", "step")}
-    with instrumented(steps, clock):
+    clock = PhaseClock(sync, PhaseClock.DMD_PHASES if dmd else PhaseClock.PHASES)
+    per_phase: dict[str, list[float]] = {name: [] for name in (*clock.phases, "other", "step")}
+    with (instrumented_dmd if dmd else instrumented)(steps, clock):
         for _ in range(n):
             clock.current = {}
             total = time_block(steps.step, 1, sync)
-            for name in PhaseClock.PHASES:
+            for name in clock.phases:
                 per_phase[name].append(clock.current.get(name, 0.0))
             per_phase["other"].append(max(0.0, total - sum(clock.current.values())))
             per_phase["step"].append(total)
@@ -673,6 +864,13 @@ def memory_report(setup: Setup) -> dict[str, Any]:
         "teacher_weights": teacher,
         "teacher_placement": "cpu" if streamed or setup.device.type == "cpu" else str(setup.device),
     }
+    for name, model in setup.extra.items():  # dmd: the critic, with its gradients and AdamW state
+        optimizer = setup.loop.optimizers[name]
+        floor[f"{name}_params"] = tensor_bytes(model.parameters())
+        floor[f"{name}_grads"] = tensor_bytes(p for p in model.parameters() if p.requires_grad)
+        floor[f"{name}_optimizer_state"] = tensor_bytes(
+            v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+        )
     report: dict[str, Any] = {
         "floor": floor,
         "floor_bytes": sum(v for k, v in floor.items() if k != "teacher_placement")
@@ -715,7 +913,20 @@ def flops_report(setup: Setup, step_seconds: float) -> dict[str, Any]:
     tokens = setup.tokens_per_sample
     # Each sample meets one expert, twice (cond + uncond); the experts share one shape.
     teacher = 2 * s.batch_size * forward_flops(setup.teacher_config, tokens, s.text_len)
-    student = 3 * s.batch_size * forward_flops(setup.student_config, tokens, s.text_len)
+    student_forward = s.batch_size * forward_flops(setup.student_config, tokens, s.text_len)
+    student = 3 * student_forward
+    if s.method == "dmd":
+        # A cycle: the generator update (rollout to step k, forward + backward, the critic's fake
+        # score) and critic_updates critic updates (rollout to k, one more forward, the critic's
+        # forward + backward); k is uniform over the K steps, so a rollout averages (K-1)/2 forwards.
+        rollout = (s.student_steps - 1) / 2 * student_forward
+        critic = student_forward  # the critic has the student's shape
+        student = int(
+            rollout
+            + 3 * student_forward
+            + critic
+            + s.critic_updates * (rollout + student_forward + 3 * critic)
+        )
     per_step = teacher + student
     achieved = per_step / step_seconds
     peak = peak_flops(setup.device, s.peak_tflops)
@@ -789,8 +1000,12 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         setup = build_setup(settings, Path(tmp))
         sync = synchronizer(setup.device)
         blocks = math.ceil(settings.steps / settings.block)
-        trainer = TrainerSteps(setup.loop)
-        bare = BareLoop(setup, settings.warmup + blocks * settings.block)
+        dmd = settings.method == "dmd"
+        trainer = TrainerSteps(setup.loop, settings.critic_updates if dmd else 1)
+        if dmd:
+            bare: BareLoop | BareDmdLoop = BareDmdLoop(setup)
+        else:
+            bare = BareLoop(setup, settings.warmup + blocks * settings.block)
         for _ in range(settings.warmup):
             trainer.step()
             bare.step()
@@ -798,7 +1013,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         if setup.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(setup.device)
         trainer_times, bare_times = interleaved(trainer.step, bare.step, settings.steps, settings.block, sync)
-        phases = phase_pass(trainer, settings.steps, sync)
+        phases = phase_pass(trainer, settings.steps, sync, dmd)
         memory = memory_report(setup)
         placement = None
         if settings.teacher_on_cpu and setup.device.type == "cuda":
@@ -851,6 +1066,8 @@ def report(
         "memory": memory,
         "flops": flops_report(setup, trainer["median_ms"] / 1e3),
         "teacher_on_cpu": placement,
+        "method": s.method,
+        "train_steps_per_bench_step": s.critic_updates if s.method == "dmd" else 1,
     }
 
 
@@ -894,6 +1111,13 @@ def format_table(result: dict[str, Any]) -> str:
         f"batch {s['batch_size']} x {models['tokens_per_sample']} tokens ({s['num_frames']} frame(s) "
         f"{s['height']}x{s['width']}, latent {'x'.join(map(str, models['latent_shape']))}), "
         f"text {models['text_len']} tokens",
+        (
+            f"method dmd: one bench step = one cycle of {s['critic_updates']} train_step calls (a generator "
+            f"update and {s['critic_updates']} critic updates), student {s['student_steps']} steps, "
+            "critic of the student's shape"
+            if result["method"] == "dmd"
+            else "method velocity"
+        ),
         f"timed {steps['timed_trainer']} trainer + {steps['timed_bare']} bare steps in alternating blocks of "
         f"{steps['block']} after {steps['warmup']} warm-up; {steps['instrumented']} instrumented steps; "
         f"{steps['skipped_by_trainer']} skipped",
@@ -921,7 +1145,13 @@ def format_table(result: dict[str, Any]) -> str:
         f"memory floor {human_bytes(memory['floor_bytes'])} on {env['device']}: student params "
         f"{human_bytes(floor['student_params'])} + grads {human_bytes(floor['student_grads'])} + AdamW state "
         f"{human_bytes(floor['optimizer_state'])} + teacher {human_bytes(floor['teacher_weights'])} "
-        f"(on {floor['teacher_placement']})",
+        f"(on {floor['teacher_placement']})"
+        + (
+            f" + critic {human_bytes(floor['critic_params'])} + grads {human_bytes(floor['critic_grads'])} "
+            f"+ AdamW state {human_bytes(floor['critic_optimizer_state'])}"
+            if "critic_params" in floor
+            else ""
+        ),
         f"peak: CPU RSS {human_bytes(memory['cpu_rss_peak_bytes'])}"
         + (
             f", CUDA max allocated {human_bytes(memory['cuda_max_allocated_bytes'])}, "
@@ -975,11 +1205,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchSettings, Path | Non
     for name in ("teacher_on_cpu", "gradient_checkpointing", "compile"):
         parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--peak_tflops", type=float, help="peak FLOP/s for MFU (default: by device name)")
+    parser.add_argument(
+        "--method", choices=("velocity", "dmd"), help="the training method whose step is timed (velocity)"
+    )
+    parser.add_argument("--critic_updates", type=int, help="dmd: critic updates per generator update (5)")
+    parser.add_argument("--student_steps", type=int, help="dmd: the student's sampling steps K (4)")
     args = vars(parser.parse_args(argv))
     preset, json_path = args.pop("preset"), args.pop("json")
     overrides = {key: value for key, value in args.items() if value is not None}
-    settings = BenchSettings(preset=preset, **{**PRESETS[preset], **overrides})
-    for name in ("steps", "warmup", "block", "batch_size"):
+    preset_values = dict(PRESETS[preset])
+    if overrides.get("method") == "dmd":
+        # A dmd bench step is a whole cycle (~critic_updates+2 velocity steps of work): fewer of them,
+        # and on CUDA one cycle per timed block (it already holds several host syncs).
+        preset_values["steps"] = max(6, preset_values.get("steps", BenchSettings.steps) // 4)
+        preset_values["block"] = 1
+    settings = BenchSettings(preset=preset, **{**preset_values, **overrides})
+    for name in ("steps", "warmup", "block", "batch_size", "critic_updates", "student_steps"):
         if getattr(settings, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name} must be positive")
     return settings, json_path

@@ -76,7 +76,9 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
         ("loss", "total", "black"),
         ("loss_high_noise", "high-noise range (transformer)", "tab:red"),
         ("loss_low_noise", "low-noise range (transformer_2)", "tab:blue"),
+        ("critic_loss", "critic (dmd)", "tab:green"),
     )
+    dmd = any(r.get("critic_loss") is not None for r in rows)
     for key, label, color in series:
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and r[key] > 0]
         if points:
@@ -84,8 +86,9 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
             ax.plot(steps, values, label=label, color=color, linewidth=1.5 if key == "loss" else 1.0)
     ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("MSE to the guided teacher velocity")
-    ax.set_title("distillation loss")
+    # dmd: "total" is the generator's DMD loss (by t' range), the critic's is flow matching
+    ax.set_ylabel("loss" if dmd else "MSE to the guided teacher velocity")
+    ax.set_title("dmd losses: generator and critic" if dmd else "distillation loss")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     return _save(fig, out_png)

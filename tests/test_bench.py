@@ -46,16 +46,22 @@ def check_result(result: dict, settings: bench.BenchSettings) -> None:
     )
 
     phases = result["phases_ms"]
-    assert set(phases) == {
-        "data",
-        "teacher",
-        "student_forward",
-        "student_backward",
-        "optimizer",
-        "other",
-        "step",
-    }
-    for name in ("data", "teacher", "student_forward", "student_backward", "optimizer", "step"):
+    timed = ["data", "teacher", "student_forward", "student_backward", "optimizer"]
+    if settings.method == "dmd":
+        timed = [
+            "data",
+            "student_sampling",
+            "teacher_real_score",
+            "critic_fake_score",
+            "generator_forward",
+            "generator_backward",
+            "generator_optimizer",
+            "critic_forward",
+            "critic_backward",
+            "critic_optimizer",
+        ]
+    assert set(phases) == {*timed, "other", "step"}
+    for name in (*timed, "step"):
         _positive_summary(phases[name])
     assert phases["other"]["median"] >= 0
 
@@ -183,3 +189,31 @@ def test_gpu_preset_at_reduced_size(teacher_on_cpu):
         assert math.isfinite(placement["slowdown"])
     else:
         assert placement is None
+
+
+def test_dmd_bench_times_a_whole_cycle_and_each_of_its_phases(capsys):
+    argv = [
+        "--preset",
+        "cpu-tiny",
+        "--method",
+        "dmd",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--critic_updates",
+        "2",
+    ]
+    settings, _ = bench.parse_args(argv)
+    result = bench.main(argv)
+    check_result(result, settings)
+    assert result["method"] == "dmd" and result["train_steps_per_bench_step"] == 2
+    floor = result["memory"]["floor"]
+    # the critic has the student's shape: the same parameters, gradients and AdamW state
+    assert floor["critic_params"] == floor["student_params"] > 0
+    assert floor["critic_optimizer_state"] == floor["optimizer_state"]
+    phases = result["phases_ms"]
+    # one cycle holds a generator update and critic updates: both optimizers step inside it
+    assert phases["critic_optimizer"]["median"] > 0 and phases["generator_optimizer"]["median"] > 0
+    printed = capsys.readouterr().out
+    assert "overhead ratio" in printed and "teacher real score" in printed and "critic fake score" in printed
