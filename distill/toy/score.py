@@ -12,7 +12,8 @@ pi/4, triangle 1/2) and the unnamed variation (centroid inside the quadrant, siz
   `per_attribute`: the fraction right for each attribute (chance: 1/6, 1/3, 1/4, 1/3).
 - `diversity_gap`: for each variation, the 1-D Wasserstein distance between the samples' values
   and the world's own values for the same prompts (pictures drawn by `render`, read the same way),
-  divided by the world's standard deviation; averaged over the variations. 0 = the world's
+  divided by the world's standard deviation; averaged over the variations (None when no
+  sample shows a shape). 0 = the world's
   spread; about 0.8 = every sample identical (collapsed); larger = off the world entirely.
   Finite sets of true pictures land near 0.1-0.2, not 0.
 """
@@ -156,11 +157,14 @@ def score(images: Sequence[np.ndarray], prompts: Sequence[str], seed: int = 0) -
     all_right = [all(right[name][i] for name in ATTRIBUTES) for i in range(len(readings))]
     found = [r for r in readings if r.variations]
     reference = reference_variations(prompts, int(np.asarray(images[0]).shape[1]), seed)
-    distances = {}
-    for name in VARIATIONS:
-        spread = float(np.std(reference[name])) or 1.0
-        distances[name] = wasserstein_1d([r.variations[name] for r in found], reference[name]) / spread
-    gap = float(np.mean(list(distances.values()))) if found else float("nan")
+    # None (JSON null) when no sample shows a shape at all: there is no spread to compare.
+    distances: dict[str, float | None] = {name: None for name in VARIATIONS}
+    gap = None
+    if found:
+        for name in VARIATIONS:
+            spread = float(np.std(reference[name])) or 1.0
+            distances[name] = wasserstein_1d([r.variations[name] for r in found], reference[name]) / spread
+        gap = float(np.mean(list(distances.values())))
     return {
         "accuracy": float(np.mean(all_right)),
         "per_attribute": {name: float(np.mean(right[name])) for name in ATTRIBUTES},
