@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-requirements
 
-DEMO_TEACHER := outputs/tiny-wan
+DEMO_TEACHER := outputs/toy-wan
 DEMO_OUT := outputs/demo
 
 .PHONY: demo test lint format clean
@@ -15,22 +15,27 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	@touch $(STAMP)
 
-# Builds the tiny random teacher (real Wan 2.2 layout), then runs a full distillation on it:
-# text-embedding cache, teacher-sampled clean latents, training, checkpoints, export.
+# Copies the toy teacher (trained on a synthetic world, real Wan 2.2 layout; shipped in
+# assets/toy_teacher/), distils a student from it (text-embedding cache, teacher-sampled clean
+# latents, training, checkpoints, export, sample grids), then scores teacher and student by what
+# their pictures show (eval.json "toy").
 demo: $(STAMP)
-	$(PY) download_wan.py --tiny $(DEMO_TEACHER)
-	rm -rf $(DEMO_OUT)
+	$(PY) download_wan.py --toy $(DEMO_TEACHER)
+	rm -rf $(DEMO_OUT) outputs/demo-cache
 	$(PY) train_distillation.py \
 		--teacher_path $(DEMO_TEACHER) \
-		--student_config config/student_tiny.json \
-		--data_path data/static_prompts.txt \
+		--student_config config/student_toy.json \
+		--data_path data/toy_prompts.txt \
 		--output_dir $(DEMO_OUT) \
 		--cache_dir outputs/demo-cache \
 		--height 32 --width 32 --num_frames 1 \
-		--teacher_sample_steps 8 \
-		--batch_size 4 --num_steps 600 --lr 3e-3 --lr_warmup_steps 20 \
-		--log_every 20 --checkpoint_every 100 --ema_decay 0.99 --seed 0 \
-		--save_samples --sample_interval 200 --sample_steps 8 --eval_interval 600
+		--teacher_sample_steps 20 \
+		--batch_size 16 --num_steps 800 --lr 2e-3 --lr_warmup_steps 20 \
+		--log_every 50 --checkpoint_every 400 --ema_decay 0.99 --seed 0 \
+		--save_samples --sample_interval 400 --sample_steps 20 --sample_prompts data/toy_sample_prompts.txt
+	$(PY) -m distill.evaluate --student $(DEMO_OUT)/student --teacher_path $(DEMO_TEACHER) \
+		--prompts data/toy_sample_prompts.txt --output_dir $(DEMO_OUT)/eval \
+		--height 32 --width 32 --steps 20 --num_buckets 10
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

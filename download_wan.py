@@ -14,6 +14,8 @@ or write a tiny random teacher for tests and offline demos.
     python download_wan.py --tiny outputs/tiny_teacher --seed 0
     # ... or in the ORIGINAL Wan layout (high_noise_model/, low_noise_model/, *.pth):
     python download_wan.py --tiny outputs/tiny_teacher_original --layout original
+    # A small teacher TRAINED on a synthetic world (shipped weights, a second, no network):
+    python download_wan.py --toy outputs/toy-wan
     # Convert an ORIGINAL Wan2.2-T2V-A14B download to the diffusers layout once:
     python download_wan.py --convert models/Wan2.2-T2V-A14B models/Wan2.2-T2V-A14B-Diffusers
 
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: returns the process exit code (0 on success)."""
     args = parse_args(argv)
     try:
+        if args.toy is not None:
+            return write_toy(Path(args.toy), args.seed, args.overwrite)
         if args.tiny is not None:
             return write_tiny(Path(args.tiny), args.seed or 0, args.overwrite, args.layout or "diffusers")
         if args.convert is not None:
@@ -114,6 +118,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--tiny", metavar="DIR", help="write a tiny random teacher to DIR (no network)")
+    mode.add_argument(
+        "--toy", metavar="DIR", help="write the small teacher trained on the toy world to DIR (no network)"
+    )
     mode.add_argument("--verify", metavar="DIR", help="check that DIR holds a complete diffusers teacher")
     mode.add_argument(
         "--convert",
@@ -157,12 +164,14 @@ def _reject_stray_options(parser: argparse.ArgumentParser, args: argparse.Namesp
         )
         if value is not None
     ]
-    modes = {"--tiny": args.tiny, "--verify": args.verify, "--convert": args.convert}
+    modes = {"--tiny": args.tiny, "--toy": args.toy, "--verify": args.verify, "--convert": args.convert}
     local_mode = next((flag for flag, value in modes.items() if value is not None), None)
     if local_mode and download_opts:
         parser.error(f"{', '.join(download_opts)} cannot be combined with {local_mode}")
-    if args.tiny is None and (args.overwrite or args.seed is not None or args.layout is not None):
-        parser.error("--seed, --overwrite and --layout only apply to --tiny")
+    if args.tiny is None and args.toy is None and (args.overwrite or args.seed is not None):
+        parser.error("--seed and --overwrite only apply to --tiny and --toy")
+    if args.tiny is None and args.layout is not None:
+        parser.error("--layout only applies to --tiny")
 
 
 # --- download -------------------------------------------------------------------------------
@@ -481,6 +490,42 @@ def write_tiny(out_dir: Path, seed: int, overwrite: bool, layout: str = "diffuse
             if layout == "original"
             else "(transformer/ = high noise, transformer_2/ = low noise)"
         )
+    )
+    return 0
+
+
+def write_toy(out_dir: Path, seed: int | None, overwrite: bool) -> int:
+    """Copy the trained toy teacher into `out_dir` and say what it holds."""
+    import json
+
+    from distill.toy.build import ASSETS, write_toy_teacher
+    from distill.toy.world import WORLD_FILE
+
+    shipped = (
+        json.loads((ASSETS / WORLD_FILE).read_text())["recipe"]["seed"]
+        if (ASSETS / WORLD_FILE).is_file()
+        else 0
+    )
+    if seed is not None and seed != shipped:
+        raise DistillError(
+            f"The shipped toy teacher was trained with seed {shipped}, not {seed}",
+            "Its weights are trained (minutes), not drawn at random, so a seed cannot be applied on copying.",
+            fixes=[
+                f"Leave out --seed, or train one with that seed first: python -m distill.toy.build --retrain "
+                f"--seed {seed} --output {out_dir}",
+            ],
+            stage=Stage.SETUP,
+        )
+    path = write_toy_teacher(out_dir, overwrite=overwrite)
+    description = json.loads((path / WORLD_FILE).read_text())
+    total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    print(
+        f"Wrote the toy Wan 2.2 T2V A14B teacher (trained, seed {shipped}) to {path} ({total / 1024:.0f} KiB)"
+    )
+    print(f"  world: {description['grammar']} ({path / WORLD_FILE})")
+    print(
+        f"  samples at {description['height']}x{description['width']}, {description['sample_steps']} steps, "
+        f"guidance {description['guidance_scale']} / {description['guidance_scale_2']}"
     )
     return 0
 

@@ -882,7 +882,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": str(args.prompts),
         "step": None,
     }
-    return evaluate_student(
+    result = evaluate_student(
         student,
         high,
         low,
@@ -895,6 +895,10 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         device,
         extra=extra,
     )
+    # A teacher trained on the toy world (toy_world.json) can also be scored by what its pictures show.
+    from distill.toy.evaluation import add_toy_report
+
+    return add_toy_report(result, info.path, student, high, low, settings, args.output_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

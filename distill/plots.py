@@ -102,12 +102,18 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
 def plot_eval(result: dict[str, Any], out_png: str | Path) -> Path:
     """eval.png from an eval.json dict: denoiser MSE per timestep bucket, sampler PSNR per prompt, cost."""
     plt = _pyplot()
-    fig, (ax_denoiser, ax_sampler, ax_cost) = plt.subplots(
-        1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [2, 1.4, 1]}
+    toy = result.get("toy")
+    ratios = [2, 1.4, 1] + ([1.6] if toy else [])
+    fig, axes = plt.subplots(
+        1, len(ratios), figsize=(5 * len(ratios), 4), gridspec_kw={"width_ratios": ratios}
     )
-    _plot_denoiser(ax_denoiser, result["denoiser"], result["boundary_timestep"])
-    _plot_sampler(ax_sampler, result["sampler"])
-    _plot_cost(ax_cost, result["cost"])
+    _plot_denoiser(axes[0], result["denoiser"], result["boundary_timestep"])
+    _plot_sampler(axes[1], result["sampler"])
+    _plot_cost(axes[2], result["cost"])
+    if toy:
+        from distill.toy.evaluation import plot_toy
+
+        plot_toy(axes[3], toy)
     step = result.get("step")
     fig.suptitle("student vs teacher" + (f" at step {step}" if step is not None else ""))
     fig.tight_layout()

@@ -19,6 +19,15 @@ def tiny_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_teacher(tmp_path_factory.mktemp("tiny_teacher") / "teacher", seed=0)
 
 
+@pytest.fixture(scope="session")
+def toy_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained toy Wan 2.2 teacher (assets/toy_teacher/, with toy_world.json), copied once per
+    session. Shared: copy it before changing anything in it."""
+    from distill.toy.build import write_toy_teacher
+
+    return write_toy_teacher(tmp_path_factory.mktemp("toy_teacher") / "teacher")
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -1,0 +1,580 @@
+"""Train the toy Wan 2.2 teacher on the toy world, and assemble teacher folders from its weights.
+
+    python -m distill.toy.build --retrain          # refit everything into assets/toy_teacher/ (minutes)
+    python download_wan.py --toy outputs/toy-wan   # a teacher folder from the shipped weights (seconds)
+
+Trained like the real one, in miniature, at 32 x 32 pixels (1 frame):
+
+1. The text encoder is a fixed random UMT5 (a feature map) behind a tokenizer whose pieces are
+   the grammar's words.
+2. The VAE (AutoencoderKLWan, 16 latent channels, stride 8) is fitted to rendered pictures, then
+   `latents_mean` / `latents_std` in its config are set from its latents, so WanPipeline's
+   un-normalisation before decoding is right.
+3. The experts (WanTransformer3DModel) learn flow matching on the normalised latents with
+   WanPipeline's conventions: x_t = (1 - s) x0 + s noise, target v = noise - x0,
+   timestep = 1000 s, s on the scheduler's shifted schedule; `transformer` (high noise) on
+   s >= boundary_ratio, `transformer_2` below (each a little past the boundary). The prompt is
+   replaced by the empty prompt for `text_dropout` of the samples, so guidance has an
+   unconditional branch to push against.
+
+Training speed: WanPipeline pads every prompt to 512 tokens with zeros and Wan's cross-attention
+has no mask, so the ~500 padding tokens are identical keys and values. Training keeps one of them
+and adds log(count) to its attention logit, which gives exactly the attention over all of them
+(checked before training) at a fraction of the cost. The saved experts are plain diffusers models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import string
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from distill.errors import DistillError, Stage, report
+from distill.toy import world
+from distill.toy.render import render_batch
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets" / "toy_teacher"
+MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default, which the trainer uses too
+_SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5/UMT5
+_METASPACE = "\u2581"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides the trained weights (recorded in toy_world.json)."""
+
+    seed: int = 0
+    size: int = 32
+    """Picture width and height in pixels (latents are size / 8)."""
+    boundary_ratio: float = 0.875
+    flow_shift: float = 3.0
+    vae_base_dim: int = 8
+    vae_steps: int = 3000
+    vae_batch: int = 12
+    vae_lr: float = 5e-4
+    vae_latent_noise: float = 0.05
+    num_latents: int = 16384
+    """Pictures encoded once for the experts' training."""
+    expert_steps: int = 2000
+    expert_batch: int = 128
+    expert_lr: float = 1e-3
+    text_dropout: float = 0.15
+    expert_overlap: float = 0.03
+    """Each expert also trains this far (in sigma) past the boundary."""
+    heads: int = 2
+    head_dim: int = 48
+    ffn_dim: int = 256
+    layers: int = 3
+    text_dim: int = 32
+    guidance_scale: float = 4.0
+    guidance_scale_2: float = 3.0
+    sample_steps: int = 20
+    """The teacher's full step count (UniPC)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Components
+# ---------------------------------------------------------------------------------------------
+
+
+def build_tokenizer() -> Any:
+    """A T5-style Unigram tokenizer whose pieces are the grammar's words (plus single characters,
+    so any text still tokenizes)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import T5TokenizerFast
+
+    words = sorted({w for p in world.all_prompts() for w in p.split()})
+    pieces = [(_METASPACE + w, -2.0) for w in words]
+    pieces += [(c, -8.0) for c in sorted(set(string.printable.strip()) | {_METASPACE})]
+    model = models.Unigram([(t, 0.0) for t in _SPECIAL_TOKENS] + pieces, unk_id=2, byte_fallback=False)
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
+    return T5TokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_ids=0,
+        model_max_length=MAX_SEQUENCE_LENGTH,
+    )
+
+
+def build_components(recipe: Recipe) -> dict[str, Any]:
+    """Untrained components, each from its own seed."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = build_tokenizer()
+
+    def seeded(offset: int, build: Any) -> Any:
+        torch.manual_seed(recipe.seed * 1000 + offset)
+        return build()
+
+    def expert() -> Any:
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=recipe.heads,
+            attention_head_dim=recipe.head_dim,
+            in_channels=16,
+            out_channels=16,
+            text_dim=recipe.text_dim,
+            freq_dim=256,
+            ffn_dim=recipe.ffn_dim,
+            num_layers=recipe.layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+
+    text_config = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=recipe.text_dim,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": seeded(1, lambda: UMT5EncoderModel(text_config)).eval(),
+        "vae": seeded(
+            2,
+            lambda: AutoencoderKLWan(
+                base_dim=recipe.vae_base_dim,
+                z_dim=16,
+                dim_mult=[1, 2, 2, 2],
+                num_res_blocks=1,
+                attn_scales=[],
+                temperal_downsample=[False, True, True],
+            ),
+        ),
+        "scheduler": UniPCMultistepScheduler(
+            prediction_type="flow_prediction",
+            use_flow_sigmas=True,
+            flow_shift=recipe.flow_shift,
+            num_train_timesteps=1000,
+        ),
+        "transformer": seeded(3, expert),
+        "transformer_2": seeded(4, expert),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The VAE
+# ---------------------------------------------------------------------------------------------
+
+
+def to_vae_input(pictures: np.ndarray) -> torch.Tensor:
+    """(N, H, W, 3) in [0, 1] -> (N, 3, 1, H, W) in [-1, 1], as WanPipeline's VAE sees frames."""
+    return torch.from_numpy(pictures).permute(0, 3, 1, 2)[:, :, None].mul(2.0).sub(1.0).contiguous()
+
+
+def fit_vae(vae: Any, recipe: Recipe, log: Any = print) -> Any:
+    """Fit the VAE to rendered pictures (reconstruction through slightly noised latents), then set
+    latents_mean / latents_std from its latents."""
+    vae.train()
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=recipe.vae_lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, recipe.vae_lr, total_steps=recipe.vae_steps, pct_start=0.1
+    )
+    # The loss reads the decoder's output before AutoencoderKLWan.decode clamps it to [-1, 1]:
+    # the clamp has no gradient, and pixels pushed past it early would never come back.
+    unclamped: list[torch.Tensor] = []
+    hook = vae.decoder.register_forward_hook(lambda module, args, output: unclamped.append(output))
+    start = time.perf_counter()
+    for step in range(recipe.vae_steps):
+        x = to_vae_input(
+            render_batch(world.sample_scenes(recipe.vae_batch, recipe.seed * 7919 + step), recipe.size)
+        )
+        # An autoencoder with a little latent noise rather than a full VAE: the posterior's
+        # initial unit variance would drown the code for most of a short fit, and the noise
+        # (5% of the latents' spread) keeps the decoder tolerant of imperfect diffusion samples.
+        mean = vae.encode(x).latent_dist.mode()
+        z = mean + recipe.vae_latent_noise * mean.detach().std() * torch.randn_like(mean)
+        vae.decode(z)
+        y = torch.cat(unclamped, dim=2)
+        unclamped.clear()
+        # Shape pixels weigh 5x: they are a tenth of the picture but all of its meaning.
+        weight = 1.0 + 4.0 * ((x - x[..., :1, :1]).abs().amax(dim=1, keepdim=True) > 0.2).float()
+        loss = (weight * (y - x).pow(2)).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == recipe.vae_steps - 1:
+            log(f"vae step {step:5d}  mse {loss.item():.5f}  ({time.perf_counter() - start:.0f} s)")
+    hook.remove()
+    vae.eval().requires_grad_(False)
+    latents = encode_pictures(
+        vae, world.sample_scenes(2048, recipe.seed * 7919 + 10**6 + 1), recipe.size, normalise=False
+    )
+    mean = latents.mean(dim=(0, 2, 3, 4))
+    std = latents.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
+    vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+    return vae
+
+
+@torch.no_grad()
+def encode_pictures(vae: Any, scenes: list[world.Scene], size: int, normalise: bool = True) -> torch.Tensor:
+    """Latents (N, 16, 1, size/8, size/8) of the scenes' pictures (posterior means), normalised as
+    WanPipeline's latents are when `normalise`."""
+    chunks = []
+    for start in range(0, len(scenes), 256):
+        x = to_vae_input(render_batch(scenes[start : start + 256], size))
+        chunks.append(vae.encode(x).latent_dist.mode())
+    latents = torch.cat(chunks)
+    if normalise:
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+        latents = (latents - mean) / std
+    return latents
+
+
+@torch.no_grad()
+def reconstruction_score(vae: Any, recipe: Recipe, count: int = 256) -> dict[str, Any]:
+    """The scorer on the VAE's reconstructions of fresh pictures (1.0 = every attribute survives)."""
+    from distill.toy.score import score
+
+    scenes = world.sample_scenes(count, recipe.seed * 7919 + 10**6 + 2)
+    y = vae.decode(vae.encode(to_vae_input(render_batch(scenes, recipe.size))).latent_dist.mode()).sample
+    pictures = ((y[:, :, 0].permute(0, 2, 3, 1) + 1.0) / 2.0).clamp(0, 1).numpy()
+    result = score(list(pictures), [s.prompt for s in scenes])
+    return {"accuracy": result["accuracy"], "diversity_gap": round(result["diversity_gap"], 3)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Text: embeddings with the padding folded into one weighted token
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def encode_texts(tokenizer: Any, text_encoder: Any, prompts: list[str]) -> torch.Tensor:
+    """(N, 512, D) zero-padded embeddings, exactly as WanPipeline.encode_prompt makes them."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=None, scheduler=None)
+    return pipe.encode_prompt(
+        prompts,
+        do_classifier_free_guidance=False,
+        max_sequence_length=MAX_SEQUENCE_LENGTH,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )[0]
+
+
+def fold_padding(embeds: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Short embeddings (N, Lc, D) and additive attention biases (N, 1, 1, Lc) equivalent to the
+    zero-padded (N, 512, D): the real tokens, one zero token weighted by log(padding count), and
+    masked slots."""
+    width = max(lengths) + 1
+    short = torch.zeros(embeds.shape[0], width, embeds.shape[-1])
+    bias = torch.full((embeds.shape[0], 1, 1, width), -1e9)
+    for i, length in enumerate(lengths):
+        short[i, :length] = embeds[i, :length]
+        bias[i, ..., :length] = 0.0
+        bias[i, ..., length] = math.log(embeds.shape[1] - length)
+    return short, bias
+
+
+class _FoldedPaddingProcessor:
+    """Wan attention with an extra additive bias on the cross-attention logits (training only)."""
+
+    def __init__(self) -> None:
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+        self.inner = WanAttnProcessor()
+        self.bias: torch.Tensor | None = None
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: Any,
+        encoder_hidden_states: Any = None,
+        attention_mask: Any = None,
+        rotary_emb: Any = None,
+    ) -> Any:
+        return self.inner(attn, hidden_states, encoder_hidden_states, self.bias, rotary_emb)
+
+
+def _fold(expert: Any) -> _FoldedPaddingProcessor:
+    processor = _FoldedPaddingProcessor()
+    for block in expert.blocks:
+        block.attn2.set_processor(processor)
+    return processor
+
+
+def _unfold(expert: Any) -> None:
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    for block in expert.blocks:
+        block.attn2.set_processor(WanAttnProcessor())
+
+
+@torch.no_grad()
+def check_folding(expert: Any, embeds: torch.Tensor, lengths: list[int]) -> float:
+    """Largest difference between the expert on full padded embeddings and on folded ones."""
+    x = torch.randn(len(lengths), 16, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    t = torch.linspace(50, 950, len(lengths))
+    full = expert(x, t, embeds, return_dict=False)[0]
+    short, bias = fold_padding(embeds, lengths)
+    processor = _fold(expert)
+    processor.bias = bias
+    try:
+        folded = expert(x, t, short, return_dict=False)[0]
+    finally:
+        _unfold(expert)
+    return float((full - folded).abs().max())
+
+
+# ---------------------------------------------------------------------------------------------
+# The experts
+# ---------------------------------------------------------------------------------------------
+
+
+def shifted_sigma(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """The scheduler's time shift: sigma = shift u / (1 + (shift - 1) u)."""
+    return shift * u / (1.0 + (shift - 1.0) * u)
+
+
+def unshifted(sigma: float, shift: float) -> float:
+    return sigma / (shift - (shift - 1.0) * sigma)
+
+
+def train_experts(
+    high: Any,
+    low: Any,
+    latents: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    text: tuple[torch.Tensor, torch.Tensor],
+    recipe: Recipe,
+    log: Any = print,
+) -> None:
+    """Flow matching of both experts on `latents` (N, C, 1, h, w) with prompt `prompt_ids` (N,)
+    into the folded text table `text` (whose last row is the empty prompt)."""
+    short, bias = text
+    empty = short.shape[0] - 1
+    generator = torch.Generator().manual_seed(recipe.seed * 31 + 5)
+    b = recipe.boundary_ratio
+    ranges = {
+        "high": (unshifted(b - recipe.expert_overlap, recipe.flow_shift), 1.0),
+        "low": (0.0, unshifted(b + recipe.expert_overlap, recipe.flow_shift)),
+    }
+    experts = {"high": high, "low": low}
+    processors = {name: _fold(model.train()) for name, model in experts.items()}
+    params = [p for model in experts.values() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=recipe.expert_lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, recipe.expert_lr, total_steps=recipe.expert_steps, pct_start=0.05
+    )
+    start = time.perf_counter()
+    try:
+        for step in range(recipe.expert_steps):
+            losses = {}
+            for name, model in experts.items():
+                index = torch.randint(0, len(latents), (recipe.expert_batch,), generator=generator)
+                x0 = latents[index]
+                noise = torch.randn(x0.shape, generator=generator)
+                lo, hi = ranges[name]
+                sigma = shifted_sigma(
+                    lo + (hi - lo) * torch.rand(len(index), generator=generator), recipe.flow_shift
+                )
+                s = sigma.view(-1, 1, 1, 1, 1)
+                x_t = (1.0 - s) * x0 + s * noise
+                ids = prompt_ids[index].clone()
+                ids[torch.rand(len(ids), generator=generator) < recipe.text_dropout] = empty
+                processors[name].bias = bias[ids]
+                v = model(x_t, sigma * 1000.0, short[ids], return_dict=False)[0]
+                losses[name] = (v - (noise - x0)).pow(2).mean()
+            optimizer.zero_grad(set_to_none=True)
+            sum(losses.values()).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            if step % 250 == 0 or step == recipe.expert_steps - 1:
+                log(
+                    f"experts step {step:5d}  loss high {losses['high'].item():.4f}  low {losses['low'].item():.4f}"
+                    f"  ({time.perf_counter() - start:.0f} s)"
+                )
+    finally:
+        for model in experts.values():
+            _unfold(model)
+            model.eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole build
+# ---------------------------------------------------------------------------------------------
+
+
+def train(recipe: Recipe, out_dir: Path, log: Any = print, vae_from: Path | None = None) -> Path:
+    """Fit the VAE, train both experts and save the teacher folder (with toy_world.json) to `out_dir`."""
+    from diffusers import WanPipeline
+
+    parts = build_components(recipe)
+    tokenizer, text_encoder = parts["tokenizer"], parts["text_encoder"]
+    if vae_from is not None:
+        from diffusers import AutoencoderKLWan
+
+        parts["vae"] = AutoencoderKLWan.from_pretrained(vae_from)
+    if recipe.vae_steps > 0:
+        fit_vae(parts["vae"], recipe, log)
+        # The slowest part: kept beside the output, so a failure later does not cost it again.
+        parts["vae"].save_pretrained(out_dir.parent / f"{out_dir.name}.vae")
+    log(f"vae reconstructions: {reconstruction_score(parts['vae'], recipe)}")
+    scenes = world.sample_scenes(recipe.num_latents, recipe.seed * 7919 + 10**6 + 3)
+    latents = encode_pictures(parts["vae"], scenes, recipe.size)
+    prompts = world.all_prompts()
+    table = encode_texts(tokenizer, text_encoder, [*prompts, ""])
+    lengths = [int(n) for n in tokenizer([*prompts, ""], return_length=True)["length"]]
+    difference = check_folding(parts["transformer"], table[:8], lengths[:8])
+    if difference > 1e-4:
+        raise DistillError(
+            "Folding the prompt padding changed the experts' output",
+            f"largest difference {difference:.3g}",
+            causes=["The installed diffusers changed Wan's cross-attention."],
+            fixes=["Install the diffusers version pinned in requirements.txt."],
+            stage=Stage.INTERNAL,
+        )
+    index = {p: i for i, p in enumerate(prompts)}
+    prompt_ids = torch.tensor([index[s.prompt] for s in scenes])
+    log(f"latents {tuple(latents.shape)}, {len(prompts)} prompts, padding folding exact to {difference:.1e}")
+    train_experts(
+        parts["transformer"],
+        parts["transformer_2"],
+        latents,
+        prompt_ids,
+        fold_padding(table, lengths),
+        recipe,
+        log,
+    )
+    pipe = WanPipeline(**parts, boundary_ratio=recipe.boundary_ratio)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+    pipe.save_pretrained(staging, safe_serialization=True)
+    write_world_file(staging, recipe)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(staging, out_dir)
+    return out_dir
+
+
+def write_world_file(folder: Path, recipe: Recipe, calibration: dict[str, Any] | None = None) -> None:
+    description = world.describe(
+        height=recipe.size,
+        width=recipe.size,
+        num_frames=1,
+        sample_steps=recipe.sample_steps,
+        guidance_scale=recipe.guidance_scale,
+        guidance_scale_2=recipe.guidance_scale_2,
+        recipe=asdict(recipe),
+        rebuild="python -m distill.toy.build --retrain",
+    )
+    if calibration is not None:
+        description["calibration"] = calibration
+    (folder / world.WORLD_FILE).write_text(json.dumps(description, indent=2) + "\n")
+
+
+def write_toy_teacher(out_dir: str | Path, *, overwrite: bool = False, source: Path = ASSETS) -> Path:
+    """Copy the trained toy teacher (shipped in assets/toy_teacher/) to `out_dir`: a Wan 2.2
+    T2V A14B teacher folder in the diffusers layout, plus toy_world.json. Takes about a second."""
+    out_dir = Path(out_dir).expanduser().absolute()
+    if not (source / world.WORLD_FILE).is_file():
+        raise DistillError(
+            f"The trained toy teacher is missing from {source}",
+            fixes=[
+                "Restore assets/toy_teacher/ from git, or rebuild it: python -m distill.toy.build --retrain"
+            ],
+            stage=Stage.SETUP,
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DistillError(
+            "Cannot write the toy teacher",
+            f"{out_dir} exists and is a file, not a folder.",
+            fixes=["Choose another output folder."],
+            stage=Stage.SETUP,
+        )
+    if (
+        out_dir.is_dir()
+        and any(out_dir.iterdir())
+        and not overwrite
+        and not (out_dir / world.WORLD_FILE).is_file()
+    ):
+        raise DistillError(
+            "Refusing to overwrite a folder that is not a toy teacher",
+            f"{out_dir} is not empty and holds no {world.WORLD_FILE}.",
+            fixes=["Choose an empty or new folder.", "Pass --overwrite to replace it anyway."],
+            stage=Stage.SETUP,
+        )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        shutil.copytree(source, staging)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distill.toy.build", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--retrain", action="store_true", help="train the toy teacher again (minutes)")
+    parser.add_argument("--output", default=str(ASSETS), help="where the trained teacher goes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--expert_steps", type=int, default=Recipe.expert_steps)
+    parser.add_argument("--vae_steps", type=int, default=Recipe.vae_steps)
+    parser.add_argument(
+        "--vae_from", help="start from this VAE folder (fitted further for --vae_steps; 0 = use as is)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads (1 is fastest on a machine shared with other jobs)",
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not args.retrain:
+        parser.error("pass --retrain to train the toy teacher (it replaces the --output folder)")
+    recipe = Recipe(seed=args.seed, expert_steps=args.expert_steps, vae_steps=args.vae_steps)
+    try:
+        path = train(recipe, Path(args.output), vae_from=args.vae_from)
+        from distill.toy.evaluation import calibrate
+
+        numbers = calibrate(path)
+        write_world_file(path, recipe, numbers)
+        print(json.dumps(numbers, indent=2))
+    except DistillError as error:
+        return report(error)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Score teacher and student on the toy world: sampling through WanPipeline, reading the pictures.
+
+    from distill.toy.evaluation import sample_pictures, score_pictures, toy_report
+    pictures = sample_pictures(teacher_path, prompts, transformer=high, transformer_2=low,
+                               steps=20, guidance_scale=4.0, guidance_scale_2=3.0)
+    score_pictures(pictures, prompts)["accuracy"]
+
+Everything goes through stock diffusers: the teacher folder's tokenizer, text encoder, VAE and
+scheduler, `WanPipeline` with both experts (or the student alone, boundary_ratio None), prompts
+in batches. Prompt i starts from the noise of seed `seed + i` (`distill.sampling.initial_noise`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from distill.toy import world
+from distill.toy.score import score
+
+EVAL_PROMPTS = 48  # a fixed, balanced slice of the 216 prompts: every colour, shape, position, background
+
+
+def eval_prompts(count: int = EVAL_PROMPTS, seed: int = 0) -> list[str]:
+    """`count` grammar prompts in a fixed shuffled order (repeats after all 216)."""
+    prompts = world.all_prompts()
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    return [prompts[order[i % len(prompts)]] for i in range(count)]
+
+
+def load_parts(teacher_path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Tokenizer, text encoder and VAE of a teacher folder (float32, frozen)."""
+    from diffusers import AutoencoderKLWan
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    path = Path(teacher_path)
+    return {
+        "tokenizer": AutoTokenizer.from_pretrained(path / "tokenizer"),
+        "text_encoder": UMT5EncoderModel.from_pretrained(path / "text_encoder").eval().to(device),
+        "vae": AutoencoderKLWan.from_pretrained(path / "vae").eval().to(device),
+    }
+
+
+def load_experts(teacher_path: str | Path, device: torch.device | str = "cpu") -> tuple[Any, Any]:
+    from diffusers import WanTransformer3DModel
+
+    path = Path(teacher_path)
+    return tuple(
+        WanTransformer3DModel.from_pretrained(path / name).eval().requires_grad_(False).to(device)
+        for name in ("transformer", "transformer_2")
+    )
+
+
+@torch.no_grad()
+def sample_pictures(
+    teacher_path: str | Path,
+    prompts: Sequence[str],
+    *,
+    transformer: torch.nn.Module,
+    transformer_2: torch.nn.Module | None = None,
+    steps: int,
+    guidance_scale: float = 1.0,
+    guidance_scale_2: float | None = None,
+    seed: int = 0,
+    size: int | None = None,
+    batch: int = 64,
+    parts: dict[str, Any] | None = None,
+) -> np.ndarray:
+    """Pictures (N, H, W, 3) in [0, 1] from WanPipeline: both experts when `transformer_2` is
+    given (switched at the teacher's boundary_ratio), else `transformer` alone."""
+    import json
+
+    from diffusers import WanPipeline
+
+    from distill.sampling import initial_noise, load_scheduler
+
+    path = Path(teacher_path)
+    parts = parts or load_parts(path, transformer.device)
+    boundary = json.loads((path / "model_index.json").read_text()).get("boundary_ratio")
+    description = world.read_world(path) or {}
+    size = size or int(description.get("height", 32))
+    pipe = WanPipeline(
+        **parts,
+        scheduler=load_scheduler(path),
+        transformer=transformer,
+        transformer_2=transformer_2,
+        boundary_ratio=boundary if transformer_2 is not None else None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    shape = (16, 1, size // 8, size // 8)
+    pictures = []
+    for start in range(0, len(prompts), batch):
+        chunk = list(prompts[start : start + batch])
+        noise = torch.cat([initial_noise(shape, seed + start + i) for i in range(len(chunk))])
+        frames = pipe(
+            prompt=chunk,
+            negative_prompt=[""] * len(chunk),
+            height=size,
+            width=size,
+            num_frames=1,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            guidance_scale_2=guidance_scale_2 if transformer_2 is not None else None,
+            latents=noise.to(transformer.device),
+            output_type="np",
+        ).frames
+        pictures.append(np.asarray(frames)[:, 0])
+    return np.concatenate(pictures).astype(np.float32)
+
+
+def score_pictures(pictures: np.ndarray, prompts: Sequence[str]) -> dict[str, Any]:
+    """`distill.toy.score.score` (accuracy, per_attribute, diversity_gap, ...)."""
+    return score(list(pictures), list(prompts))
+
+
+def _entry(result: dict[str, Any], steps: int, guidance: Sequence[float]) -> dict[str, Any]:
+    return {
+        "accuracy": result["accuracy"],
+        "diversity_gap": result["diversity_gap"],
+        "per_attribute": result["per_attribute"],
+        "wasserstein": result["wasserstein"],
+        "steps": steps,
+        "guidance_scale": list(guidance),
+        "count": result["count"],
+    }
+
+
+def toy_report(
+    teacher_path: str | Path,
+    student: torch.nn.Module,
+    high: torch.nn.Module,
+    low: torch.nn.Module,
+    *,
+    student_steps: int,
+    guidance_scale: float,
+    guidance_scale_2: float,
+    count: int = EVAL_PROMPTS,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """eval.json["toy"]: `teacher` (its full steps and guidance), `teacher_at_student_steps` and
+    `student` (guidance 1), each with accuracy, diversity_gap and per-attribute accuracy."""
+    description = world.read_world(teacher_path) or {}
+    full_steps = int(description.get("sample_steps", 20))
+    prompts = eval_prompts(count)
+    parts = load_parts(teacher_path, student.device)
+    guided = {"guidance_scale": guidance_scale, "guidance_scale_2": guidance_scale_2}
+
+    def teacher(steps: int) -> np.ndarray:
+        return sample_pictures(
+            teacher_path,
+            prompts,
+            transformer=high,
+            transformer_2=low,
+            steps=steps,
+            seed=seed,
+            parts=parts,
+            **guided,
+        )
+
+    student_pictures = sample_pictures(
+        teacher_path, prompts, transformer=student, steps=student_steps, seed=seed, parts=parts
+    )
+    both = (guidance_scale, guidance_scale_2)
+    return {
+        "prompts": count,
+        "teacher": _entry(score_pictures(teacher(full_steps), prompts), full_steps, both),
+        "teacher_at_student_steps": _entry(
+            score_pictures(teacher(student_steps), prompts), student_steps, both
+        ),
+        "student": _entry(score_pictures(student_pictures, prompts), student_steps, (1.0,)),
+        "chance": score_pictures(student_pictures[:1], prompts[:1])["chance"],
+        "better": {"accuracy": "higher", "diversity_gap": "lower"},
+    }
+
+
+def calibrate(teacher_path: str | Path, count: int = 96) -> dict[str, Any]:
+    """The numbers of the README table for a trained toy teacher (world, teacher with and without
+    guidance, at 4 and 1 steps, and an untrained student)."""
+    from distill.toy.render import render_batch
+
+    description = world.read_world(teacher_path) or {}
+    full = int(description.get("sample_steps", 20))
+    g1, g2 = description.get("guidance_scale", 4.0), description.get("guidance_scale_2", 3.0)
+    prompts = eval_prompts(count)
+    high, low = load_experts(teacher_path)
+    parts = load_parts(teacher_path)
+    rng = np.random.default_rng(1)
+    results = {"world": score_pictures(render_batch([world.scene_for(p, rng) for p in prompts]), prompts)}
+    runs = {
+        f"teacher_{full}_steps_guided": (full, g1, g2),
+        f"teacher_{full}_steps_unguided": (full, 1.0, 1.0),
+        "teacher_4_steps_guided": (4, g1, g2),
+        "teacher_1_step_guided": (1, g1, g2),
+    }
+    for name, (steps, a, b) in runs.items():
+        pictures = sample_pictures(
+            teacher_path,
+            prompts,
+            transformer=high,
+            transformer_2=low,
+            steps=steps,
+            guidance_scale=a,
+            guidance_scale_2=b,
+            parts=parts,
+        )
+        results[name] = score_pictures(pictures, prompts)
+    return {
+        name: {
+            "accuracy": r["accuracy"],
+            "diversity_gap": None if r["diversity_gap"] is None else round(r["diversity_gap"], 3),
+            "per_attribute": r["per_attribute"],
+        }
+        for name, r in results.items()
+    }
+
+
+def add_toy_report(
+    result: dict[str, Any] | None,
+    teacher_path: str | Path,
+    student: torch.nn.Module,
+    high: torch.nn.Module,
+    low: torch.nn.Module,
+    settings: Any,
+    output_dir: str | Path,
+) -> dict[str, Any] | None:
+    """Add `toy` to an eval.json dict (and rewrite eval.json / eval.png) when the teacher is a toy
+    one; otherwise return `result` unchanged. `settings` is the report's EvalSettings."""
+    if result is None or world.read_world(teacher_path) is None:
+        return result
+    from distill.evaluate import write_report
+
+    result["toy"] = toy_report(
+        teacher_path,
+        student,
+        high,
+        low,
+        student_steps=settings.steps,
+        guidance_scale=settings.guidance_scale,
+        guidance_scale_2=settings.guidance_scale_2,
+        seed=settings.seed,
+    )
+    write_report(result, output_dir)
+    return result
+
+
+def plot_toy(ax: Any, toy: dict[str, Any]) -> None:
+    """eval.png's toy panel: accuracy and diversity gap of teacher, teacher at the student's steps, student."""
+    names = ("teacher", "teacher_at_student_steps", "student")
+    labels = [
+        f"teacher\n{toy['teacher']['steps']} steps",
+        f"teacher\n{toy['student']['steps']} steps",
+        "student",
+    ]
+    positions = np.arange(len(names))
+    accuracy = [toy[n]["accuracy"] for n in names]
+    gap = [toy[n]["diversity_gap"] or 0.0 for n in names]  # None: no shape found at all
+    ax.bar(positions - 0.2, accuracy, width=0.4, color="tab:blue", label="accuracy (higher is better)")
+    ax.bar(positions + 0.2, gap, width=0.4, color="tab:orange", label="diversity gap (lower is better)")
+    for x, a, g in zip(positions, accuracy, gap):
+        ax.text(x - 0.2, a, f"{a:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.text(x + 0.2, g, f"{g:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.axhline(toy["chance"]["all"], color="gray", linestyle=":", linewidth=1)
+    ax.set_xticks(positions, labels, fontsize=8)
+    ax.set_ylim(0, max(1.1, max(gap) * 1.15))
+    ax.legend(loc="upper right", fontsize=7)
+    ax.set_title(f"toy world: what the pictures show ({toy['prompts']} prompts)", fontsize=10)

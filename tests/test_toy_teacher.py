@@ -1,0 +1,115 @@
+"""The trained toy teacher: real Wan 2.2 layout, loads in stock diffusers, draws what it is asked."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+
+from distill.toy.build import ASSETS, check_folding, encode_pictures, encode_texts, to_vae_input
+from distill.toy.evaluation import eval_prompts
+from distill.toy.render import render_batch
+from distill.toy.score import score
+from distill.toy.world import WORLD_FILE, all_prompts, sample_scenes
+from download_wan import main as download_main
+from download_wan import teacher_problems
+
+# The tests sample few prompts, so they allow this much below the accuracy measured on 96 prompts
+# when the teacher was built (toy_world.json "calibration").
+MARGIN = 0.2
+
+
+def test_toy_download_writes_a_complete_a14b_teacher(toy_teacher, tmp_path, capsys):
+    assert teacher_problems(toy_teacher) == []
+    index = json.loads((toy_teacher / "model_index.json").read_text())
+    assert index["boundary_ratio"] == 0.875
+    assert index["transformer"][1] == index["transformer_2"][1] == "WanTransformer3DModel"
+    assert index["vae"][1] == "AutoencoderKLWan"
+    description = json.loads((toy_teacher / WORLD_FILE).read_text())
+    assert len(description["colours"]) >= 6 and len(description["shapes"]) >= 3
+    assert len(description["positions"]) >= 4 and len(description["backgrounds"]) >= 3
+    total = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
+    assert total < 10 * 2**20
+
+    out = tmp_path / "toy"
+    assert download_main(["--toy", str(out)]) == 0
+    assert download_main(["--toy", str(out)]) == 0  # a toy teacher may be replaced
+    assert "toy Wan 2.2" in capsys.readouterr().out
+    assert download_main(["--toy", str(out), "--seed", "7"]) != 0
+    assert "--retrain --seed 7" in capsys.readouterr().err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    assert download_main(["--toy", str(other)]) != 0
+    assert (other / "keep.txt").is_file()
+
+
+def test_stock_pipeline_draws_the_prompted_attributes(toy_teacher):
+    description = json.loads((toy_teacher / WORLD_FILE).read_text())
+    calibrated = description["calibration"][f"teacher_{description['sample_steps']}_steps_guided"]["accuracy"]
+    pipe = WanPipeline.from_pretrained(toy_teacher)
+    pipe.set_progress_bar_config(disable=True)
+    prompts = eval_prompts(16)
+    frames = pipe(
+        prompt=prompts,
+        negative_prompt=[""] * len(prompts),
+        height=description["height"],
+        width=description["width"],
+        num_frames=1,
+        num_inference_steps=description["sample_steps"],
+        guidance_scale=description["guidance_scale"],
+        guidance_scale_2=description["guidance_scale_2"],
+        generator=torch.Generator("cpu").manual_seed(0),
+        output_type="np",
+    ).frames
+    result = score(list(np.asarray(frames)[:, 0]), prompts)
+    assert result["accuracy"] >= calibrated - MARGIN, result
+    assert result["accuracy"] > 20 * result["chance"]["all"]
+
+
+def test_vae_is_fitted_and_its_latents_are_normalised_as_wan_pipeline_expects(toy_teacher):
+    vae = AutoencoderKLWan.from_pretrained(toy_teacher / "vae").eval()
+    scenes = sample_scenes(128, seed=99)
+    latents = encode_pictures(vae, scenes, 32)  # normalised with latents_mean / latents_std
+    assert latents.shape == (128, 16, 1, 4, 4)
+    assert latents.mean(dim=(0, 2, 3, 4)).abs().max() < 0.25
+    std = latents.std(dim=(0, 2, 3, 4))
+    assert std.min() > 0.7 and std.max() < 1.3, std
+    # Decoding the way WanPipeline does (un-normalise, decode, map to [0, 1]) gives the pictures back.
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    spread = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        decoded = vae.decode(latents * spread + mean).sample
+    pictures = ((decoded[:, :, 0].permute(0, 2, 3, 1) + 1) / 2).clamp(0, 1).numpy()
+    assert np.abs(pictures - render_batch(scenes)).mean() < 0.05
+    result = score(list(pictures), [s.prompt for s in scenes])
+    # Colour, place and background survive the 4x4 latent. The shape's outline does not yet: the
+    # shipped VAE blurs it to a blob (its fit is the toy teacher's weak point, see README).
+    for name in ("colour", "position", "background"):
+        assert result["per_attribute"][name] >= 0.9, result
+    assert to_vae_input(render_batch(scenes[:1])).shape == (1, 3, 1, 32, 32)
+
+
+def test_folded_padding_equals_the_full_512_token_prompt(toy_teacher):
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_teacher / "tokenizer")
+    encoder = UMT5EncoderModel.from_pretrained(toy_teacher / "text_encoder").eval()
+    prompts = [*all_prompts()[:5], ""]
+    table = encode_texts(tokenizer, encoder, prompts)
+    lengths = [int(n) for n in tokenizer(prompts, return_length=True)["length"]]
+    assert lengths[-1] == 1 and all(n == 12 for n in lengths[:-1])  # every grammar word is one piece
+    expert = WanTransformer3DModel.from_pretrained(toy_teacher / "transformer").eval()
+    assert check_folding(expert, table, lengths) < 1e-4
+
+
+@pytest.mark.parametrize("unknown", ["a purple circle in the top left on a black background"])
+def test_tokenizer_still_encodes_text_outside_the_grammar(toy_teacher, unknown):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_teacher / "tokenizer")
+    ids = tokenizer(unknown)["input_ids"]
+    assert ids[-1] == 1 and 2 not in ids  # ends with </s>, no <unk>: spelled out by characters
