@@ -22,6 +22,15 @@ from download_wan import teacher_problems
 MARGIN = 0.2
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The toy teacher is tiny: one thread is faster than two on cores shared with other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_toy_download_writes_a_complete_a14b_teacher(toy_teacher, tmp_path, capsys):
     assert teacher_problems(toy_teacher) == []
     index = json.loads((toy_teacher / "model_index.json").read_text())
