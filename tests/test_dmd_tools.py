@@ -231,3 +231,29 @@ def test_a_non_finite_dmd_step_logs_null_for_both_models_and_keeps_the_last_loss
     assert result.first_loss == result.last_loss == rows[2]["loss"]
     saved = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert saved["loss"] is None and saved["skipped"] is True
+
+
+def test_toy_scores_of_a_dmd_student_use_its_k_step_scheduler(toy_teacher, tmp_path, monkeypatch):
+    from distill.toy import evaluation
+    from distill.toy.evaluation import add_toy_report
+
+    few = evaluation.eval_prompts(4)  # 4 of the 48 scored prompts keep this test short
+    monkeypatch.setattr(evaluation, "eval_prompts", lambda count: few)
+
+    info = inspect_teacher(str(toy_teacher))
+    high, low = (load_expert(info, name, torch.float32) for name in ("transformer", "transformer_2"))
+    scheduler = few_step_scheduler(5.0)
+    settings = EvalSettings(
+        height=32,
+        width=32,
+        steps=6,
+        student_steps=4,
+        student_scheduler={"_class_name": type(scheduler).__name__, **dict(scheduler.config)},
+    )
+    student = tiny_student(info)
+    log = TimestepLog(student)
+    result = add_toy_report({"denoiser": None}, toy_teacher, student, high, low, settings, tmp_path)
+    toy = result["toy"]
+    assert toy["student"]["steps"] == toy["teacher_at_student_steps"]["steps"] == 4
+    assert toy["teacher"]["steps"] == 20  # the toy world's full step count
+    assert log.calls == pytest.approx(K_GRID)  # one batched call per step, at the exported grid

@@ -69,9 +69,12 @@ def sample_pictures(
     size: int | None = None,
     batch: int = 64,
     parts: dict[str, Any] | None = None,
+    scheduler: Any | None = None,
 ) -> np.ndarray:
     """Pictures (N, H, W, 3) in [0, 1] from WanPipeline: both experts when `transformer_2` is
-    given (switched at the teacher's boundary_ratio), else `transformer` alone."""
+    given (switched at the teacher's boundary_ratio), else `transformer` alone. `scheduler`
+    replaces the teacher's (a dmd student's K-step one: its re-noising comes from the global RNG,
+    seeded here with `seed`)."""
     import json
 
     from diffusers import WanPipeline
@@ -85,7 +88,7 @@ def sample_pictures(
     size = size or int(description.get("height", 32))
     pipe = WanPipeline(
         **parts,
-        scheduler=load_scheduler(path),
+        scheduler=scheduler if scheduler is not None else load_scheduler(path),
         transformer=transformer,
         transformer_2=transformer_2,
         boundary_ratio=boundary if transformer_2 is not None else None,
@@ -96,6 +99,8 @@ def sample_pictures(
     for start in range(0, len(prompts), batch):
         chunk = list(prompts[start : start + batch])
         noise = torch.cat([initial_noise(shape, seed + start + i) for i in range(len(chunk))])
+        if getattr(pipe.scheduler.config, "stochastic_sampling", False):
+            torch.manual_seed(seed + start)  # reproducible re-noising (scheduler.step gets no generator)
         frames = pipe(
             prompt=chunk,
             negative_prompt=[""] * len(chunk),
@@ -140,9 +145,11 @@ def toy_report(
     guidance_scale_2: float,
     count: int = EVAL_PROMPTS,
     seed: int = 0,
+    student_scheduler: Any | None = None,
 ) -> dict[str, Any]:
     """eval.json["toy"]: `teacher` (its full steps and guidance), `teacher_at_student_steps` and
-    `student` (guidance 1), each with accuracy, diversity_gap and per-attribute accuracy."""
+    `student` (guidance 1, with `student_scheduler` if it has its own, e.g. a dmd student's K-step
+    one), each with accuracy, diversity_gap and per-attribute accuracy."""
     description = world.read_world(teacher_path) or {}
     full_steps = int(description.get("sample_steps", 20))
     prompts = eval_prompts(count)
@@ -162,7 +169,13 @@ def toy_report(
         )
 
     student_pictures = sample_pictures(
-        teacher_path, prompts, transformer=student, steps=student_steps, seed=seed, parts=parts
+        teacher_path,
+        prompts,
+        transformer=student,
+        steps=student_steps,
+        seed=seed,
+        parts=parts,
+        scheduler=student_scheduler,
     )
     both = (guidance_scale, guidance_scale_2)
     return {
@@ -232,13 +245,17 @@ def add_toy_report(
     if result is None or world.read_world(teacher_path) is None:
         return result
     from distill.evaluate import write_report
+    from distill.sampling import scheduler_from_config
 
+    # The student at its own steps and scheduler (a dmd student's K-step one), the teacher at both.
+    own = settings.student_scheduler
     result["toy"] = toy_report(
         teacher_path,
         student,
         high,
         low,
-        student_steps=settings.steps,
+        student_steps=settings.steps_of_student,
+        student_scheduler=scheduler_from_config(own) if own else None,
         guidance_scale=settings.guidance_scale,
         guidance_scale_2=settings.guidance_scale_2,
         seed=settings.seed,
