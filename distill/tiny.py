@@ -198,7 +198,14 @@ def build_tiny_pipeline(seed: int = 0, shape: TinyTeacherShape = TinyTeacherShap
 
 def build_tiny_tokenizer() -> T5TokenizerFast:
     """A small T5-style Unigram tokenizer (`<pad>`=0, `</s>`=1, `<unk>`=2, appends `</s>`)."""
-    tokenizer = Tokenizer(models.Unigram(_unigram_vocab(_TOKENIZER_CORPUS), unk_id=2, byte_fallback=False))
+    return t5_unigram_tokenizer(_unigram_vocab(_TOKENIZER_CORPUS)[len(_SPECIAL_TOKENS) :])
+
+
+def t5_unigram_tokenizer(pieces: list[tuple[str, float]], model_max_length: int = 512) -> T5TokenizerFast:
+    """A T5-style tokenizer over Unigram `pieces` (piece, log-probability): the special tokens
+    `<pad>`=0, `</s>`=1, `<unk>`=2 come first, and `</s>` is appended as UMT5 expects."""
+    vocab = [(token, 0.0) for token in _SPECIAL_TOKENS] + pieces
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
@@ -212,7 +219,7 @@ def build_tiny_tokenizer() -> T5TokenizerFast:
         eos_token="</s>",
         unk_token="<unk>",
         extra_ids=0,  # the sentinel tokens only matter for T5's span-corruption pre-training
-        model_max_length=512,
+        model_max_length=model_max_length,
     )
 
 

@@ -47,7 +47,6 @@ from distill.toy.render import render_batch
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "toy_teacher"
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default, which the trainer uses too
-_SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5/UMT5
 _METASPACE = "\u2581"
 
 
@@ -92,29 +91,12 @@ class Recipe:
 def build_tokenizer() -> Any:
     """A T5-style Unigram tokenizer whose pieces are the grammar's words (plus single characters,
     so any text still tokenizes)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from transformers import T5TokenizerFast
+    from distill.tiny import t5_unigram_tokenizer
 
     words = sorted({w for p in world.all_prompts() for w in p.split()})
     pieces = [(_METASPACE + w, -2.0) for w in words]
     pieces += [(c, -8.0) for c in sorted(set(string.printable.strip()) | {_METASPACE})]
-    model = models.Unigram([(t, 0.0) for t in _SPECIAL_TOKENS] + pieces, unk_id=2, byte_fallback=False)
-    tokenizer = Tokenizer(model)
-    tokenizer.normalizer = normalizers.NFKC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Metaspace()
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
-    )
-    tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
-    return T5TokenizerFast(
-        tokenizer_object=tokenizer,
-        pad_token="<pad>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        extra_ids=0,
-        model_max_length=MAX_SEQUENCE_LENGTH,
-    )
+    return t5_unigram_tokenizer(pieces, MAX_SEQUENCE_LENGTH)
 
 
 def build_components(recipe: Recipe) -> dict[str, Any]:
