@@ -68,7 +68,12 @@ import torch
 
 from distill.errors import DistillError, Stage, report
 from distill.objective import NUM_TRAIN_TIMESTEPS, add_noise, per_sample_mse
-from distill.run_settings import RunSettings, find_run_settings
+from distill.run_settings import (
+    RunSettings,
+    fill_left_out_flags,
+    find_run_settings,
+    warn_without_run_settings,
+)
 from distill.sampling import (
     compute_dtype,
     decode_latents,
@@ -761,14 +766,8 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
     found = find_run_settings(args.student)
     fallback = EvalSettings()
     if found is None:
-        logger.warning(
-            "no run_settings.json in or beside %s: using %dx%d, %d steps, max_sequence_length %d; "
-            "pass the values the student was trained with",
-            args.student,
-            fallback.height,
-            fallback.width,
-            fallback.steps,
-            DEFAULT_MAX_SEQUENCE_LENGTH,
+        warn_without_run_settings(
+            args.student, fallback.height, fallback.width, fallback.steps, DEFAULT_MAX_SEQUENCE_LENGTH
         )
     run = found[0] if found else None
     defaults = {
@@ -783,20 +782,11 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
         "negative_prompt": run.negative_prompt if run else "",
         "max_sequence_length": run.max_sequence_length if run else DEFAULT_MAX_SEQUENCE_LENGTH,
     }
-    for name, value in defaults.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
+    fill_left_out_flags(args, defaults)
     # A few-step student samples with its own scheduler; its teacher at the run's full step count.
     args.student_scheduler = run.scheduler if run else None
     if args.teacher_steps is None:
         args.teacher_steps = run.teacher_sample_steps if run and run.scheduler else args.steps
-    if not args.teacher_path:
-        raise DistillError(
-            "--teacher_path is required",
-            "no run_settings.json in or beside the student names the teacher it was distilled from",
-            fixes=["pass --teacher_path models/Wan2.2-T2V-A14B-Diffusers (the teacher of the run)"],
-            stage=Stage.ARGV,
-        )
     return found
 
 

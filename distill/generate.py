@@ -36,7 +36,12 @@ from typing import Any
 import torch
 
 from distill.errors import DistillError, Stage, report
-from distill.run_settings import RunSettings, find_run_settings
+from distill.run_settings import (
+    RunSettings,
+    fill_left_out_flags,
+    find_run_settings,
+    warn_without_run_settings,
+)
 from distill.sampling import (
     SizeLimits,
     check_sample_size,
@@ -200,22 +205,10 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
             "negative_prompt": "",
         }
         if args.student and not args.teacher_only:
-            logger.warning(
-                "no run_settings.json in or beside %s: using %dx%d, %d steps, max_sequence_length %d; "
-                "pass the values the student was trained with",
-                args.student,
-                *(FALLBACK[k] for k in ("height", "width", "steps", "max_sequence_length")),
+            warn_without_run_settings(
+                args.student, *(FALLBACK[k] for k in ("height", "width", "steps", "max_sequence_length"))
             )
-    for name, value in defaults.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    if not args.teacher_path:
-        raise DistillError(
-            "--teacher_path is required",
-            "no run_settings.json in or beside the student names the teacher it was distilled from",
-            fixes=["pass --teacher_path models/Wan2.2-T2V-A14B-Diffusers (the teacher of the run)"],
-            stage=Stage.ARGV,
-        )
+    fill_left_out_flags(args, defaults)
     return found
 
 

@@ -17,6 +17,7 @@ scheduler={...}, scheduler_note="...")` records a few-step student's own step co
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -181,3 +182,31 @@ def find_run_settings(model_dir: str | Path | None) -> tuple[RunSettings, Path] 
         if path.is_file():
             return read_run_settings(path), path
     return None
+
+
+def warn_without_run_settings(student: Any, height: int, width: int, steps: int, max_len: int) -> None:
+    """Say which stand-in values a command uses for a student that records none."""
+    logging.getLogger(__name__).warning(
+        "no run_settings.json in or beside %s: using %dx%d, %d steps, max_sequence_length %d; "
+        "pass the values the student was trained with",
+        student,
+        height,
+        width,
+        steps,
+        max_len,
+    )
+
+
+def fill_left_out_flags(args: Any, defaults: dict[str, Any]) -> None:
+    """Give every flag the user left out (None) its default, then require a teacher: without
+    run settings nothing else can name the teacher the student was distilled from."""
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if not args.teacher_path:
+        raise DistillError(
+            "--teacher_path is required",
+            "no run_settings.json in or beside the student names the teacher it was distilled from",
+            fixes=["pass --teacher_path models/Wan2.2-T2V-A14B-Diffusers (the teacher of the run)"],
+            stage=Stage.ARGV,
+        )
