@@ -95,10 +95,8 @@ def test_vae_is_fitted_and_its_latents_are_normalised_as_wan_pipeline_expects(to
     pictures = ((decoded[:, :, 0].permute(0, 2, 3, 1) + 1) / 2).clamp(0, 1).numpy()
     assert np.abs(pictures - render_batch(scenes)).mean() < 0.05
     result = score(list(pictures), [s.prompt for s in scenes])
-    # Colour, place and background survive the 4x4 latent. The shape's outline does not yet: the
-    # shipped VAE blurs it to a blob (its fit is the toy teacher's weak point, see README).
-    for name in ("colour", "position", "background"):
-        assert result["per_attribute"][name] >= 0.9, result
+    # Every attribute survives the 4x4 latent (the build measured 1.0 on 128 reconstructions).
+    assert result["accuracy"] >= 0.95, result
     assert to_vae_input(render_batch(scenes[:1])).shape == (1, 3, 1, 32, 32)
 
 
@@ -115,7 +113,7 @@ def test_folded_padding_equals_the_full_512_token_prompt(toy_teacher):
     assert check_folding(expert, table, lengths) < 1e-4
 
 
-@pytest.mark.parametrize("unknown", ["a purple circle in the top left on a black background"])
+@pytest.mark.parametrize("unknown", ["a purple bar in the top left on a black background"])
 def test_tokenizer_still_encodes_text_outside_the_grammar(toy_teacher, unknown):
     from transformers import AutoTokenizer
 

@@ -20,7 +20,7 @@ def test_grammar_covers_the_world_and_parses_back() -> None:
         attributes = parse_prompt(prompt)
         assert attributes is not None
         assert scene_for(prompt, np.random.default_rng(0)).prompt == prompt
-    assert parse_prompt("a purple circle in the top left on a black background") is None
+    assert parse_prompt("a purple bar in the top left on a black background") is None
     assert parse_prompt("a cat walking through fresh snow") is None
     with pytest.raises(DistillError, match="not a prompt of the toy world"):
         scene_for("a cat", np.random.default_rng(0))
@@ -46,8 +46,7 @@ def test_ground_truth_scores_one_and_noise_scores_chance() -> None:
 def test_wrong_pictures_lose_accuracy_of_that_attribute_only() -> None:
     scenes = sample_scenes(60, seed=3)
     swapped = [
-        replace(s, shape={"circle": "square", "square": "triangle", "triangle": "circle"}[s.shape])
-        for s in scenes
+        replace(s, shape={"square": "bar", "bar": "column", "column": "square"}[s.shape]) for s in scenes
     ]
     result = score(list(render_batch(swapped)), [s.prompt for s in scenes])
     assert result["per_attribute"]["shape"] == 0.0

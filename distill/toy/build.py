@@ -60,13 +60,13 @@ class Recipe:
     boundary_ratio: float = 0.875
     flow_shift: float = 3.0
     vae_base_dim: int = 8
-    vae_steps: int = 3000
+    vae_steps: int = 8000
     vae_batch: int = 12
     vae_lr: float = 5e-4
     vae_latent_noise: float = 0.05
     num_latents: int = 16384
     """Pictures encoded once for the experts' training."""
-    expert_steps: int = 2000
+    expert_steps: int = 8000
     expert_batch: int = 128
     expert_lr: float = 1e-3
     text_dropout: float = 0.15
@@ -211,6 +211,11 @@ def fit_vae(vae: Any, recipe: Recipe, log: Any = print) -> Any:
         schedule.step()
         if step % 100 == 0 or step == recipe.vae_steps - 1:
             log(f"vae step {step:5d}  mse {loss.item():.5f}  ({time.perf_counter() - start:.0f} s)")
+        if step % 1000 == 999:  # what the scorer reads back from reconstructions, as the fit goes
+            vae.eval()
+            log(f"vae step {step:5d}  reconstructions {reconstruction_score(vae, recipe, count=128)}")
+            unclamped.clear()  # the hook saw those decodes too
+            vae.train()
     hook.remove()
     vae.eval().requires_grad_(False)
     latents = encode_pictures(

@@ -221,6 +221,12 @@ def calibrate(teacher_path: str | Path, count: int = 96) -> dict[str, Any]:
             parts=parts,
         )
         results[name] = score_pictures(pictures, prompts)
+    # A random student (the experts' shape, untrained, guidance 1): where distillation starts from.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        untrained = type(high).from_config(high.config).eval()
+    pictures = sample_pictures(teacher_path, prompts, transformer=untrained, steps=full, parts=parts)
+    results[f"untrained_student_{full}_steps"] = score_pictures(pictures, prompts)
     return {
         name: {
             "accuracy": r["accuracy"],

@@ -1,8 +1,8 @@
 """Draw scenes of the toy world as pictures (H, W, 3) in [0, 1].
 
 Geometry in fractions of the picture, so any size works (the teacher is trained at 32 x 32):
-a quadrant is half the picture wide and high; the shape's extent is 55-80% of the quadrant
-(`size`), its centre moves inside the quadrant by up to 90% of the free margin (`offset_x/y`),
+a quadrant is half the picture wide and high; the shape's long side is 55-80% of the quadrant
+(`size`), a bar is ASPECT times wider than high, a column ASPECT times higher than wide, its centre moves inside the quadrant by up to 90% of the free margin (`offset_x/y`),
 its hue by up to HUE_SHIFT of a turn (`hue`). Edges are anti-aliased (4 x 4 supersampling), as a
 camera would blur them.
 """
@@ -18,12 +18,13 @@ from distill.toy.world import BACKGROUNDS, COLOURS, Scene
 
 HUE_SHIFT = 0.04  # of a full turn; small enough that the colour's name never changes
 MIN_EXTENT, MAX_EXTENT = 0.55, 0.8  # of the quadrant
+ASPECT = 2.5  # long side / short side of a bar or a column
 MAX_SHIFT = 0.9  # of the free margin around the shape inside its quadrant
 _SUPERSAMPLE = 4
 
 
 def extent(scene: Scene) -> float:
-    """Width and height of the shape as a fraction of the quadrant."""
+    """The shape's long side as a fraction of the quadrant."""
     return MIN_EXTENT + (MAX_EXTENT - MIN_EXTENT) * (scene.size + 1.0) / 2.0
 
 
@@ -50,16 +51,14 @@ def coverage(scene: Scene, size: int) -> np.ndarray:
     x, y = np.meshgrid(grid, grid)
     cx, cy = centre(scene)
     half = 0.25 * extent(scene)  # half the extent, in picture fractions (a quadrant is 0.5)
-    dx, dy = x - cx, y - cy
-    if scene.shape == "circle":
-        inside = dx**2 + dy**2 <= half**2
-    elif scene.shape == "square":
-        inside = (np.abs(dx) <= half) & (np.abs(dy) <= half)
-    elif scene.shape == "triangle":  # apex up, base at the bottom of the box
-        depth = (dy + half) / (2 * half)  # 0 at the apex, 1 at the base
-        inside = (depth >= 0) & (depth <= 1) & (np.abs(dx) <= half * depth)
-    else:
+    half_w, half_h = {
+        "square": (half, half),
+        "bar": (half, half / ASPECT),
+        "column": (half / ASPECT, half),
+    }.get(scene.shape, (None, None))
+    if half_w is None:
         raise ValueError(f"unknown shape {scene.shape!r}")
+    inside = (np.abs(x - cx) <= half_w) & (np.abs(y - cy) <= half_h)
     return inside.reshape(size, _SUPERSAMPLE, size, _SUPERSAMPLE).mean(axis=(1, 3)).astype(np.float32)
 
 

@@ -3,8 +3,8 @@
 `read` looks only at the picture: the background is the median colour of the border, the shape is
 every pixel that differs from it (weighted by how much of the way it is from the background to the
 shape's colour), and from that shape it reads the colour (nearest named colour), the position
-(quadrant of the centroid), the shape (how much of its bounding box it fills: square 1, circle
-pi/4, triangle 1/2) and the unnamed variation (centroid inside the quadrant, size, hue shift).
+(quadrant of the centroid), the shape (the aspect ratio of its extent: bar wide, column tall,
+square in between) and the unnamed variation (centroid inside the quadrant, size, hue shift).
 
 `score` compares readings with the prompts:
 
@@ -51,8 +51,9 @@ CHANCE["all"] = float(np.prod(list(CHANCE.values())))
 # background towards the shape's colour.
 _INSIDE = 0.5
 _MIN_PIXELS = 4  # fewer shape pixels than this: nothing was drawn
-# Fill ratio of the bounding box between the ideal triangle (0.5), circle (0.785) and square (1).
-_TRIANGLE_BELOW, _SQUARE_ABOVE = 0.69, 0.94
+# Width / height above which a shape reads as a bar (below its inverse: a column). Between the
+# square's 1 and the drawn ASPECT 2.5, nearer 1 because blur adds the same to both sides.
+_WIDE = 1.5
 _REFERENCE_TOTAL = 1024  # world pictures read for the reference (at least one per prompt)
 _NAMED = {name: np.array(rgb, dtype=np.float32) for name, rgb in COLOURS.items()}
 _BACKDROPS = {name: np.array(rgb, dtype=np.float32) for name, rgb in BACKGROUNDS.items()}
@@ -98,10 +99,10 @@ def read(image: np.ndarray) -> Reading:
     if np.count_nonzero(mask) < _MIN_PIXELS:
         return Reading({"background": background, "colour": colour, "shape": None, "position": None})
     weights = alpha * mask
-    # Soft fill of the bounding box: a column (row) half covered counts as half a pixel of width
-    # (height), so small anti-aliased shapes measure like large ones.
-    fill = float(weights.sum() / (weights.max(axis=0).sum() * weights.max(axis=1).sum()))
-    shape = "triangle" if fill < _TRIANGLE_BELOW else "square" if fill > _SQUARE_ABOVE else "circle"
+    # Soft extent: a column (row) half covered counts as half a pixel of width (height), so small
+    # anti-aliased shapes measure like large ones.
+    aspect = float(weights.max(axis=0).sum() / weights.max(axis=1).sum())
+    shape = "bar" if aspect > _WIDE else "column" if aspect < 1.0 / _WIDE else "square"
     grid_y, grid_x = np.mgrid[0:height, 0:width]
     cx = float((weights * (grid_x + 0.5)).sum() / weights.sum()) / width
     cy = float((weights * (grid_y + 0.5)).sum() / weights.sum()) / height

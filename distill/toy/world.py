@@ -2,7 +2,7 @@
 
 A scene is one coloured shape in one quadrant of a plain background:
 
-    "a red circle in the top left on a black background"
+    "a red bar in the top left on a black background"
 
 Named by the prompt: colour (6), shape (3), position (4 quadrants), background (3) = 216 prompts.
 Not named (the world's diversity, which a student can lose): where inside its quadrant the shape
@@ -34,7 +34,9 @@ COLOURS: dict[str, tuple[float, float, float]] = {
     "cyan": (0.1, 0.85, 0.9),
     "magenta": (0.85, 0.15, 0.85),
 }
-SHAPES = ("circle", "square", "triangle")
+# Told apart by aspect ratio alone (wide, even, tall): a property that survives the blur of a small
+# VAE, where a circle, a square and a triangle of a dozen pixels all decode to the same blob.
+SHAPES = ("square", "bar", "column")
 POSITIONS = ("top left", "top right", "bottom left", "bottom right")
 BACKGROUNDS: dict[str, tuple[float, float, float]] = {
     "black": (0.05, 0.05, 0.05),
@@ -130,8 +132,8 @@ def describe(**extra: Any) -> dict[str, Any]:
         "positions": list(POSITIONS),
         "backgrounds": BACKGROUNDS,
         "variations": list(VARIATIONS),
-        "example": asdict(Scene("red", "circle", "top left", "black"))
-        | {"prompt": prompt_of("red", "circle", "top left", "black")},
+        "example": asdict(Scene("red", "bar", "top left", "black"))
+        | {"prompt": prompt_of("red", "bar", "top left", "black")},
         **extra,
     }
 
