@@ -30,9 +30,9 @@ demo: $(STAMP)
 		--cache_dir outputs/demo-cache \
 		--height 32 --width 32 --num_frames 1 \
 		--teacher_sample_steps 20 \
-		--batch_size 16 --num_steps 1200 --lr 5e-3 --lr_warmup_steps 50 \
-		--log_every 50 --checkpoint_every 600 --ema_decay 0.99 --seed 0 \
-		--save_samples --sample_interval 600 --sample_steps 20 --sample_prompts data/toy_sample_prompts.txt
+		--batch_size 16 --num_steps 1000 --lr 5e-3 --lr_warmup_steps 50 \
+		--log_every 50 --checkpoint_every 500 --ema_decay 0.99 --seed 0 \
+		--save_samples --sample_interval 500 --sample_steps 20 --sample_prompts data/toy_sample_prompts.txt
 	$(PY) -m distill.evaluate --student $(DEMO_OUT)/student --teacher_path $(DEMO_TEACHER) \
 		--prompts data/toy_sample_prompts.txt --output_dir $(DEMO_OUT)/eval \
 		--height 32 --width 32 --steps 20 --num_buckets 10

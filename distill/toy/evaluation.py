@@ -178,12 +178,15 @@ def toy_report(
         scheduler=student_scheduler,
     )
     both = (guidance_scale, guidance_scale_2)
+    full = score_pictures(teacher(full_steps), prompts)
+    # Same noise, steps and guidance give the same pictures: sample the teacher once then.
+    at_student_steps = (
+        full if student_steps == full_steps else score_pictures(teacher(student_steps), prompts)
+    )
     return {
         "prompts": count,
-        "teacher": _entry(score_pictures(teacher(full_steps), prompts), full_steps, both),
-        "teacher_at_student_steps": _entry(
-            score_pictures(teacher(student_steps), prompts), student_steps, both
-        ),
+        "teacher": _entry(full, full_steps, both),
+        "teacher_at_student_steps": _entry(at_student_steps, student_steps, both),
         "student": _entry(score_pictures(student_pictures, prompts), student_steps, (1.0,)),
         "chance": score_pictures(student_pictures[:1], prompts[:1])["chance"],
         "better": {"accuracy": "higher", "diversity_gap": "lower"},
