@@ -701,28 +701,64 @@ class _TimedIterator:
 
 
 @contextlib.contextmanager
-def instrumented(steps: TrainerSteps, clock: PhaseClock) -> Iterator[None]:
-    """Install the phase hooks on the loop's teacher, model, scaler and optimizer; remove them after."""
-    loop = steps.loop
-    teacher, scaler, model, optimizer = loop.teacher, loop.scaler, loop.model, loop.optimizer
+def _phase_hooks(
+    steps: TrainerSteps, clock: PhaseClock, teacher_phase: str
+) -> Iterator[tuple[list[Any], list[Any]]]:
+    """Time the teacher's velocity (as `teacher_phase`) and the data loading. Yields two lists the
+    caller fills: hook handles, and the grad scalers whose `scale` it patched; all undone on exit."""
+    teacher = steps.loop.teacher
     original_batches = steps.batches
-    teacher.velocity = clock.timed("teacher", teacher.velocity)
-    scale = scaler.scale
-    scaler.scale = lambda loss: _TimedBackward(scale(loss), clock)
-    handles = [
-        model.register_forward_pre_hook(lambda *_: clock.start("student_forward")),
-        model.register_forward_hook(lambda *_: clock.stop("student_forward")),
-        optimizer.register_step_pre_hook(lambda *_: clock.start("optimizer")),
-        optimizer.register_step_post_hook(lambda *_: clock.stop("optimizer")),
-    ]
+    teacher.velocity = clock.timed(teacher_phase, teacher.velocity)
     steps.batches = _TimedIterator(original_batches, clock)
+    handles: list[Any] = []
+    scalers: list[Any] = []
     try:
-        yield
+        yield handles, scalers
     finally:
         steps.batches = original_batches
         for handle in handles:
             handle.remove()
-        del teacher.velocity, scaler.scale  # the class attributes show through again
+        del teacher.velocity  # the class attributes show through again
+        for scaler in scalers:
+            del scaler.scale
+
+
+@contextlib.contextmanager
+def instrumented(steps: TrainerSteps, clock: PhaseClock) -> Iterator[None]:
+    """Install the phase hooks on the loop's teacher, model, scaler and optimizer; remove them after."""
+    loop = steps.loop
+    scaler, model, optimizer = loop.scaler, loop.model, loop.optimizer
+    with _phase_hooks(steps, clock, "teacher") as (handles, scalers):
+        scalers.append(scaler)
+        scale = scaler.scale
+        scaler.scale = lambda loss: _TimedBackward(scale(loss), clock)
+        handles += [
+            model.register_forward_pre_hook(lambda *_: clock.start("student_forward")),
+            model.register_forward_hook(lambda *_: clock.stop("student_forward")),
+            optimizer.register_step_pre_hook(lambda *_: clock.start("optimizer")),
+            optimizer.register_step_post_hook(lambda *_: clock.stop("optimizer")),
+        ]
+        yield
+
+
+def _forward_phases(clock: PhaseClock, model: str) -> tuple[Callable[..., None], Callable[..., None]]:
+    """Forward hooks of a dmd model that split its forwards by whether they carry a gradient."""
+    open_forwards: list[str] = []
+
+    def before(*_: Any) -> None:
+        name = {
+            ("student", True): "generator_forward",
+            ("student", False): "student_sampling",
+            ("critic", True): "critic_forward",
+            ("critic", False): "critic_fake_score",
+        }[(model, torch.is_grad_enabled())]
+        open_forwards.append(name)
+        clock.start(name)
+
+    def after(*_: Any) -> None:
+        clock.stop(open_forwards.pop())
+
+    return before, after
 
 
 @contextlib.contextmanager
@@ -730,52 +766,24 @@ def instrumented_dmd(steps: TrainerSteps, clock: PhaseClock) -> Iterator[None]:
     """The dmd phases: hooks on the teacher, both models (split by whether the forward carries a
     gradient), both grad scalers and both optimizers; removed after."""
     loop = steps.loop
-    teacher = loop.teacher
-    original_batches = steps.batches
-    teacher.velocity = clock.timed("teacher_real_score", teacher.velocity)
-    open_forwards: list[str] = []
-
-    def forward_phase(model: str) -> tuple[Callable[..., None], Callable[..., None]]:
-        def before(*_: Any) -> None:
-            grad = torch.is_grad_enabled()
-            name = {
-                ("student", True): "generator_forward",
-                ("student", False): "student_sampling",
-                ("critic", True): "critic_forward",
-                ("critic", False): "critic_fake_score",
-            }[(model, grad)]
-            open_forwards.append(name)
-            clock.start(name)
-
-        def after(*_: Any) -> None:
-            clock.stop(open_forwards.pop())
-
-        return before, after
-
-    handles = []
-    for model in ("student", "critic"):
-        before, after = forward_phase(model)
-        module = loop.models[model]
-        handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
-        name = "generator" if model == "student" else "critic"
-        optimizer = loop.optimizers[model]
-        handles += [
-            optimizer.register_step_pre_hook(lambda *_, n=name: clock.start(f"{n}_optimizer")),
-            optimizer.register_step_post_hook(lambda *_, n=name: clock.stop(f"{n}_optimizer")),
-        ]
-        scaler = loop.scalers[model]
-        scale = scaler.scale
-        scaler.scale = lambda loss, scale=scale, n=name: _TimedBackward(scale(loss), clock, f"{n}_backward")
-    steps.batches = _TimedIterator(original_batches, clock)
-    try:
-        yield
-    finally:
-        steps.batches = original_batches
-        for handle in handles:
-            handle.remove()
-        del teacher.velocity
+    with _phase_hooks(steps, clock, "teacher_real_score") as (handles, scalers):
         for model in ("student", "critic"):
-            del loop.scalers[model].scale
+            before, after = _forward_phases(clock, model)
+            module = loop.models[model]
+            handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+            name = "generator" if model == "student" else "critic"
+            optimizer = loop.optimizers[model]
+            handles += [
+                optimizer.register_step_pre_hook(lambda *_, n=name: clock.start(f"{n}_optimizer")),
+                optimizer.register_step_post_hook(lambda *_, n=name: clock.stop(f"{n}_optimizer")),
+            ]
+            scaler = loop.scalers[model]
+            scalers.append(scaler)
+            scale = scaler.scale
+            scaler.scale = lambda loss, scale=scale, n=name: _TimedBackward(
+                scale(loss), clock, f"{n}_backward"
+            )
+        yield
 
 
 def phase_pass(

@@ -69,6 +69,24 @@ def train_args(teacher: Path, output_dir: Path, cache_dir: Path, **overrides: ob
     return args
 
 
+def load_teacher_parts(teacher: Path, prompts: list[str]) -> tuple:
+    """(info, high-noise expert, low-noise expert, {prompt: embedding}) of a teacher on the CPU in
+    float32; the embeddings cover `prompts` and the empty negative prompt."""
+    import torch
+
+    from distill.sampling import encode_prompts
+    from distill.teacher import inspect_teacher, load_expert
+
+    info = inspect_teacher(str(teacher))
+    embeddings = encode_prompts(info.path, [*prompts, ""], 512, torch.device("cpu"), torch.float32)
+    return (
+        info,
+        load_expert(info, "transformer", torch.float32),
+        load_expert(info, "transformer_2", torch.float32),
+        embeddings,
+    )
+
+
 @pytest.fixture(scope="session")
 def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache folder shared by runs with the default train_args settings (built once)."""

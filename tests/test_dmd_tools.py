@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, train_args
+from conftest import REPO, load_teacher_parts, train_args
 
 from distill import evaluate, generate
 from distill.config import parse_config
@@ -16,7 +16,6 @@ from distill.errors import DistillError
 from distill.evaluate import EvalSettings, evaluate_student
 from distill.few_step import few_step_scheduler, sample_few_step, student_grid
 from distill.monitor import SampleMonitor, SampleSettings
-from distill.sampling import encode_prompts
 from distill.student import build_student, load_student_config
 from distill.teacher import inspect_teacher, load_expert
 from distill.trainer import Distiller
@@ -52,14 +51,7 @@ def dmd_run(tiny_teacher, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def teacher(tiny_teacher):
-    info = inspect_teacher(str(tiny_teacher))
-    embeddings = encode_prompts(info.path, [*PROMPTS, ""], 512, CPU, torch.float32)
-    return (
-        info,
-        load_expert(info, "transformer", torch.float32),
-        load_expert(info, "transformer_2", torch.float32),
-        embeddings,
-    )
+    return load_teacher_parts(tiny_teacher, PROMPTS)
 
 
 def tiny_student(info, seed: int = 0) -> torch.nn.Module:

@@ -9,16 +9,14 @@ import sys
 import imageio.v2 as imageio
 import pytest
 import torch
-from conftest import REPO, train_args
+from conftest import REPO, load_teacher_parts, train_args
 
 from distill import evaluate, generate
 from distill.config import parse_config
 from distill.data import read_prompts
 from distill.evaluate import EvalSettings, evaluate_student
 from distill.monitor import DEFAULT_SAMPLE_PROMPTS, SampleMonitor, SampleSettings
-from distill.sampling import encode_prompts
 from distill.student import build_student, load_student_config
-from distill.teacher import inspect_teacher, load_expert
 from distill.trainer import Distiller
 
 CPU = torch.device("cpu")
@@ -48,14 +46,7 @@ def trained(tiny_teacher, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def teacher(tiny_teacher):
-    info = inspect_teacher(str(tiny_teacher))
-    embeddings = encode_prompts(info.path, [*PROMPTS, ""], 512, CPU, torch.float32)
-    return (
-        info,
-        load_expert(info, "transformer", torch.float32),
-        load_expert(info, "transformer_2", torch.float32),
-        embeddings,
-    )
+    return load_teacher_parts(tiny_teacher, PROMPTS)
 
 
 def test_generate_command_writes_a_png(trained, tiny_teacher, tmp_path):
