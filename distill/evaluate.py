@@ -750,6 +750,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help=f"Prompt padding length; keep the training value ({run} {DEFAULT_MAX_SEQUENCE_LENGTH}).",
     )
+    parser.add_argument(
+        "--toy_prompts",
+        type=int,
+        default=216,
+        help="Toy teacher only: world prompts scored, one sample each (216 = all of them).",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     parser.add_argument(
         "--dtype",
@@ -888,7 +894,9 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     # A teacher trained on the toy world (toy_world.json) can also be scored by what its pictures show.
     from distill.toy.evaluation import add_toy_report
 
-    return add_toy_report(result, info.path, student, high, low, settings, args.output_dir)
+    return add_toy_report(
+        result, info.path, student, high, low, settings, args.output_dir, count=args.toy_prompts
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

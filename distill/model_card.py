@@ -28,6 +28,27 @@ EXAMPLE_PROMPT = "a red fox trotting through fresh snow at sunrise"
 WAN_DEFAULTS = "guidance 5.0, 50 steps, 480x832, max_sequence_length 512"
 
 
+def learned_guidance(settings: RunSettings) -> bool:
+    """Whether the student already carries the teacher's guidance: a dmd student always (its real
+    score is the guided teacher), a velocity student when the teacher it learned was guided."""
+    guided = max(settings.teacher_guidance_scale, settings.teacher_guidance_scale_2 or 1.0) > 1.0
+    return settings.method != "velocity" or guided
+
+
+def _guidance_advice(settings: RunSettings) -> str:
+    if learned_guidance(settings):
+        return (
+            "Guidance above 1 applies classifier-free guidance a second time to a student that "
+            "already learned the guided velocity."
+        )
+    return (
+        "This student learned the teacher's velocity without guidance (teacher guidance 1), so its "
+        "samples are the teacher's unguided ones, and it has no unconditional branch for guidance "
+        "to push against. It is meant as stage 1 of `--method dmd`, which adds the teacher's "
+        "guidance back through the real score (README, the two-stage recipe)."
+    )
+
+
 def card_metadata(settings: RunSettings) -> Any:
     """The card's YAML header as huggingface_hub's ModelCardData."""
     from huggingface_hub import ModelCardData
@@ -92,7 +113,12 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
         f"    width={settings.width},",
         f"    num_frames={settings.num_frames},",
         f"    num_inference_steps={settings.num_inference_steps},",
-        f"    guidance_scale={settings.guidance_scale!r},  # the student learned the guided velocity",
+        f"    guidance_scale={settings.guidance_scale!r},  # "
+        + (
+            "the student learned the guided velocity"
+            if learned_guidance(settings)
+            else "distilled without guidance"
+        ),
         f"    max_sequence_length={settings.max_sequence_length},  # as in training: the padding changes the output",
         '    generator=torch.Generator("cpu").manual_seed(0),',
         '    output_type="np",',
@@ -169,9 +195,8 @@ def model_card_text(
         "",
         "## Sampling",
         "",
-        f"Do not use WanPipeline's defaults ({WAN_DEFAULTS}). Guidance above 1 applies",
-        "classifier-free guidance a second time to a student that already learned the guided velocity,",
-        "and WanPipeline uses no attention mask over the padded prompt, so another max_sequence_length",
+        f"Do not use WanPipeline's defaults ({WAN_DEFAULTS}). {_guidance_advice(settings)}",
+        "WanPipeline uses no attention mask over the padded prompt, so another max_sequence_length",
         "gives another output. This is the call it was trained for:",
         "",
         "```python",

@@ -8,6 +8,19 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules that train the toy models (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    they are tiny, and on 2 cores one thread ran them 3-10x faster than two when anything else ran
+    (the threads wait on each other)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Wan 2.2 T2V A14B teacher (seed 0, default shape), built once per session.

@@ -225,12 +225,8 @@ def test_a_non_finite_dmd_step_logs_null_for_both_models_and_keeps_the_last_loss
     assert saved["loss"] is None and saved["skipped"] is True
 
 
-def test_toy_scores_of_a_dmd_student_use_its_k_step_scheduler(toy_teacher, tmp_path, monkeypatch):
-    from distill.toy import evaluation
+def test_toy_scores_of_a_dmd_student_use_its_k_step_scheduler(toy_teacher, tmp_path):
     from distill.toy.evaluation import add_toy_report
-
-    few = evaluation.eval_prompts(4)  # 4 of the 48 scored prompts keep this test short
-    monkeypatch.setattr(evaluation, "eval_prompts", lambda count: few)
 
     info = inspect_teacher(str(toy_teacher))
     high, low = (load_expert(info, name, torch.float32) for name in ("transformer", "transformer_2"))
@@ -244,8 +240,10 @@ def test_toy_scores_of_a_dmd_student_use_its_k_step_scheduler(toy_teacher, tmp_p
     )
     student = tiny_student(info)
     log = TimestepLog(student)
-    result = add_toy_report({"denoiser": None}, toy_teacher, student, high, low, settings, tmp_path)
+    # 4 of the world's prompts keep this test short
+    result = add_toy_report({"denoiser": None}, toy_teacher, student, high, low, settings, tmp_path, count=4)
     toy = result["toy"]
+    assert toy["prompts"] == 4
     assert toy["student"]["steps"] == toy["teacher_at_student_steps"]["steps"] == 4
     assert toy["teacher"]["steps"] == 20  # the toy world's full step count
     assert log.calls == pytest.approx(K_GRID)  # one batched call per step, at the exported grid

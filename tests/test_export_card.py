@@ -3,6 +3,7 @@ tiny real teacher with a student trained for real (64x64, max_sequence_length 16
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -250,3 +251,38 @@ def test_teacher_hub_id_and_a_card_without_one(tmp_path, run):
     card = ModelCard(model_card_text(settings, "pipeline", "outputs/run1/pipeline"))
     assert card.data.library_name == "diffusers" and card.data.base_model is None
     assert str(run.teacher) in card.text  # the card still names the teacher
+
+
+def test_a_student_distilled_without_guidance_says_so_and_dmd_warns_about_one_with(run, tmp_path, caplog):
+    from distill.methods.dmd import guided_stage_one
+    from distill.run_settings import write_run_settings
+
+    guided = read_run_settings(run.output_dir / "run_settings.json")
+    assert guided.teacher_guidance_scale > 1
+    assert "learned the guided velocity" in model_card_text(guided, "transformer", "s")
+    unguided = dataclasses.replace(guided, teacher_guidance_scale=1.0, teacher_guidance_scale_2=1.0)
+    card = model_card_text(unguided, "transformer", "s")
+    assert "learned the guided velocity" not in card and "without guidance" in card
+    assert "stage 1 of `--method dmd`" in card
+    # dmd from the guided run's student: the advice names the flags; from the unguided one: nothing.
+    advice = guided_stage_one(str(run.output_dir / "student"))
+    assert advice and "--guidance_scale 1 --guidance_scale_2 1" in advice
+    shutil.copytree(run.output_dir / "student", tmp_path / "unguided")
+    write_run_settings(unguided, tmp_path / "unguided")
+    assert guided_stage_one(str(tmp_path / "unguided")) is None
+    assert guided_stage_one("random") is None and guided_stage_one(str(tmp_path / "missing")) is None
+    # The dmd run itself logs the advice when it starts from the guided student.
+    args = train_args(
+        run.teacher,
+        tmp_path / "dmd",
+        run.output_dir.parent / "cache",
+        method="dmd",
+        student_init=run.output_dir / "student",
+        height=HEIGHT,
+        width=WIDTH,
+        max_sequence_length=MAX_SEQUENCE_LENGTH,
+        num_steps=1,
+    )
+    with caplog.at_level(logging.WARNING, logger="distill.methods.dmd"):
+        Distiller(parse_config(args)).run()
+    assert advice in caplog.text

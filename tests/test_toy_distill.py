@@ -14,17 +14,8 @@ from distill.evaluate import main as evaluate_main
 from distill.toy.evaluation import eval_prompts, sample_pictures, score_pictures
 from distill.trainer import Distiller
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 10  # sampler steps of the students in these tests
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: on 2 cores shared with other jobs one thread ran the distillation 3-10x
-    faster than two (the threads wait on each other): 8-13 min for this module became ~1.5 min."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +80,13 @@ def test_evaluate_adds_toy_scores_for_a_toy_teacher(toy_teacher, distilled, tmp_
             "2",
             "--num_buckets",
             "2",
+            "--toy_prompts",
+            "16",
         ]
     )
     assert code == 0
     toy = json.loads((tmp_path / "eval.json").read_text())["toy"]
+    assert toy["prompts"] == 16  # of the world's 216 (the default scores all of them)
     assert toy["teacher"]["steps"] > toy["teacher_at_student_steps"]["steps"] == toy["student"]["steps"] == 4
     for name in ("teacher", "teacher_at_student_steps", "student"):
         entry = toy[name]

@@ -17,18 +17,10 @@ from distill.toy.world import WORLD_FILE, all_prompts, sample_scenes
 from download_wan import main as download_main
 from download_wan import teacher_problems
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 # The tests sample few prompts, so they allow this much below the accuracy measured on 96 prompts
 # when the teacher was built (toy_world.json "calibration").
 MARGIN = 0.2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The toy teacher is tiny: one thread is faster than two on cores shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_toy_download_writes_a_complete_a14b_teacher(toy_teacher, tmp_path, capsys):

@@ -26,6 +26,7 @@ and adds log(count) to its attention logit, which gives exactly the attention ov
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import string
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -518,16 +520,24 @@ def write_toy_teacher(out_dir: str | Path, *, overwrite: bool = False, source: P
             stage=Stage.SETUP,
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
+    with staged_folder(out_dir) as staging:
         shutil.copytree(source, staging)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
+    return out_dir
+
+
+@contextlib.contextmanager
+def staged_folder(dest: Path) -> Iterator[Path]:
+    """A not-yet-existing folder beside `dest` to build in; it replaces `dest` when the block ends
+    and is removed if the block fails, so `dest` is never half written."""
+    staging = dest.parent / f".{dest.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        yield staging
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(staging, dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,9 @@ import torch
 from distill.toy import world
 from distill.toy.score import score
 
-EVAL_PROMPTS = 48  # a fixed, balanced slice of the 216 prompts: every colour, shape, position, background
+# Every prompt of the world once. A slice of 48 left about +-0.07 of sampling noise: one 4-step
+# student read 0.85 on the first 48 and 0.70 on all 216. Smaller counts are a fixed shuffled slice.
+EVAL_PROMPTS = 216
 
 
 def eval_prompts(count: int = EVAL_PROMPTS, seed: int = 0) -> list[str]:
@@ -248,9 +250,11 @@ def add_toy_report(
     low: torch.nn.Module,
     settings: Any,
     output_dir: str | Path,
+    count: int = EVAL_PROMPTS,
 ) -> dict[str, Any] | None:
     """Add `toy` to an eval.json dict (and rewrite eval.json / eval.png) when the teacher is a toy
-    one; otherwise return `result` unchanged. `settings` is the report's EvalSettings."""
+    one; otherwise return `result` unchanged. `settings` is the report's EvalSettings; `count`
+    prompts of the world are sampled once each."""
     if result is None or world.read_world(teacher_path) is None:
         return result
     from distill.evaluate import write_report
@@ -268,6 +272,7 @@ def add_toy_report(
         guidance_scale=settings.guidance_scale,
         guidance_scale_2=settings.guidance_scale_2,
         seed=settings.seed,
+        count=count,
     )
     write_report(result, output_dir)
     return result

@@ -1,0 +1,97 @@
+"""The shipped stage-1 toy student: where the toy two-stage recipe's dmd stage starts.
+
+Stage 1 of the recipe (README, "Fewer steps too") is velocity distillation of the toy teacher at
+guidance 1 into `config/student_toy_3layer.json`: 6,000 steps, about 17 minutes on one core. The
+dmd test and the README's toy commands start stage 2 from this student instead of training it
+again, the way the toy teacher itself is shipped. Rebuild it with
+
+    python -m distill.toy.stage_one --retrain      # or: make toy-stage1
+
+which trains with the recipe below (through the trainer, like any run) and replaces
+assets/toy_student_stage1/. Its run_settings.json and model card name the teacher as
+`outputs/toy-wan` (where `download_wan.py --toy` and `make demo` put it), not the folder it was
+trained from, so the shipped files carry no machine's paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ASSET = REPO / "assets" / "toy_student_stage1"
+TEACHER_REF = "outputs/toy-wan"
+
+# The recipe (the README's stage-1 toy command). Guidance 1: the student learns the teacher's own
+# velocity; dmd adds the guidance back through its real score. A student distilled from the
+# guided teacher carries the guidance in its velocity and made a far worse start (README table).
+RECIPE = {
+    "student_config": str(REPO / "config" / "student_toy_3layer.json"),
+    "data_path": str(REPO / "data" / "toy_prompts.txt"),
+    "height": 32,
+    "width": 32,
+    "num_frames": 1,
+    "teacher_sample_steps": 20,
+    "guidance_scale": 1,
+    "guidance_scale_2": 1,
+    "batch_size": 16,
+    "num_steps": 6000,
+    "lr": 2e-3,
+    "lr_warmup_steps": 100,
+    "ema_decay": 0.99,
+    "seed": 0,
+    "num_workers": 0,
+    "log_every": 100,
+}
+
+
+def recipe_args(teacher: str | Path, output_dir: str | Path, cache_dir: str | Path) -> list[str]:
+    """train_distillation.py arguments of the stage-1 recipe."""
+    settings = {"teacher_path": teacher, "output_dir": output_dir, "cache_dir": cache_dir, **RECIPE}
+    return [item for key, value in settings.items() for item in (f"--{key}", str(value))]
+
+
+def ship(student_dir: str | Path, dest: Path = ASSET) -> Path:
+    """Copy an exported student to `dest` (atomically), naming the teacher as TEACHER_REF."""
+    from distill.model_card import write_model_card
+    from distill.run_settings import RUN_SETTINGS_FILE, read_run_settings, write_run_settings
+    from distill.toy.build import staged_folder
+
+    with staged_folder(dest) as staging:
+        shutil.copytree(student_dir, staging)
+        settings = read_run_settings(staging / RUN_SETTINGS_FILE)
+        settings = dataclasses.replace(settings, teacher_path=TEACHER_REF)
+        write_run_settings(settings, staging)
+        ref = dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest
+        write_model_card(staging, settings, "transformer", folder_ref=str(ref))
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m distill.toy.stage_one", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--retrain", action="store_true", help="train stage 1 again (~17 min) and ship it")
+    parser.add_argument("--work_dir", default="outputs/toy-stage1", help="where the run itself goes")
+    parser.add_argument("--output", default=str(ASSET), help="where the student is shipped")
+    args = parser.parse_args(argv)
+    if not args.retrain:
+        parser.error(f"pass --retrain to train the stage-1 toy student (it replaces {args.output})")
+    import torch
+
+    from distill.config import parse_config
+    from distill.toy.build import write_toy_teacher
+    from distill.trainer import Distiller
+
+    torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared machine
+    work = Path(args.work_dir)
+    teacher = write_toy_teacher(work / "teacher", overwrite=True)
+    result = Distiller(parse_config(recipe_args(teacher, work / "run", work / "cache"))).run()
+    print(ship(result.student_dir, Path(args.output).absolute()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
