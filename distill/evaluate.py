@@ -750,11 +750,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help=f"Prompt padding length; keep the training value ({run} {DEFAULT_MAX_SEQUENCE_LENGTH}).",
     )
+    from distill.toy.evaluation import EVAL_PROMPTS
+
     parser.add_argument(
         "--toy_prompts",
         type=int,
-        default=216,
-        help="Toy teacher only: world prompts scored, one sample each (216 = all of them).",
+        default=EVAL_PROMPTS,
+        help=f"Toy teacher only: world prompts scored, one sample each ({EVAL_PROMPTS} = all of them).",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     parser.add_argument(

@@ -2,8 +2,9 @@
 
 Geometry in fractions of the picture, so any size works (the teacher is trained at 32 x 32):
 a quadrant is half the picture wide and high; the shape's long side is 55-80% of the quadrant
-(`size`), a bar is ASPECT times wider than high, a column ASPECT times higher than wide, its centre moves inside the quadrant by up to 90% of the free margin (`offset_x/y`),
-its hue by up to HUE_SHIFT of a turn (`hue`). Edges are anti-aliased (4 x 4 supersampling), as a
+(`size`), a bar is ASPECT times wider than high, a column ASPECT times higher than wide; its
+centre moves inside the quadrant by up to 90% of the free margin (`offset_x/y`), its hue by up
+to HUE_SHIFT of a turn (`hue`). Edges are anti-aliased (4 x 4 supersampling), as a
 camera would blur them.
 """
 
