@@ -42,10 +42,13 @@ demo: $(STAMP)
 toy-stage1: $(STAMP)
 	$(PY) -m distill.toy.stage_one --retrain
 
+# The suite on both cores (pytest-xdist; the failure scenarios are rehearsed under load on purpose,
+# see distill/stress.py), then the error-handling scenarios as users run them, as a plain command.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) test_error_handling.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

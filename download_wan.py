@@ -36,7 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distill.errors import DistillError, Stage, report
-from distill.layout import DIFFUSERS_COMPONENTS, ORIGINAL_COMPONENTS, missing_components, present_entries
+from distill.layout import (
+    DIFFUSERS_COMPONENTS,
+    ORIGINAL_COMPONENTS,
+    missing_components,
+    present_entries,
+    safetensors_problem,
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: returns the process exit code (0 on success)."""
     args = parse_args(argv)
     try:
+        check_output_folder(args)
         if args.toy is not None:
             return write_toy(Path(args.toy), args.seed, args.overwrite)
         if args.tiny is not None:
@@ -108,6 +115,20 @@ def main(argv: list[str] | None = None) -> int:
         return download(args)
     except DistillError as error:
         return report(error)
+
+
+def check_output_folder(args: argparse.Namespace) -> None:
+    """The folder this command will write, proven writable before it downloads or builds anything."""
+    from distill.output_dir import writable_folder
+
+    for flag, value in (
+        ("--toy", args.toy),
+        ("--tiny", args.tiny),
+        ("--convert DST", args.convert[1] if args.convert else None),
+        ("--local_dir", None if (args.verify or args.toy or args.tiny or args.convert) else args.local_dir),
+    ):
+        if value is not None:
+            writable_folder(value, flag, create=False)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -443,6 +464,11 @@ def _weight_problems(component: Path) -> list[str]:
             for s in sorted(shards)
             if not (component / s).is_file()
         ]
+    # A file cut short (an interrupted copy) has the right name: its header says how long it must be.
+    for file in sorted(w for w in weights if w.suffix == ".safetensors"):
+        problem = safetensors_problem(file)
+        if problem:
+            problems.append(f"{name}/{file.name}: {problem}")
     return problems
 
 

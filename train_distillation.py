@@ -74,11 +74,33 @@ def setup_logging(rank: int) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def report_failure(error: BaseException) -> int:
+    """The banner and exit code for the exception that ended the run, whatever happens meanwhile."""
+    from distill import workers  # set torch's SIGCHLD handler aside since the loader started
+    from distill.diagnose import failure_report, unexpected_error
+    from distill.errors import report
+
+    workers.silence_worker_signals()  # in case a loader outside the training loop had workers
+    try:
+        return report(failure_report(error))
+    except Exception:  # diagnosing failed too: the first failure, plainly, is still the one to report
+        return report(unexpected_error(error))
+
+
+def teardown() -> None:
+    """Stop what the run started; a failure here is one line and never replaces the run's outcome."""
+    from distill import distributed, watchdog, workers
+    from distill.errors import quietly
+
+    quietly("stopping the DataLoader workers", workers.shutdown)
+    quietly("stopping the stall watchdog", watchdog.stop)
+    quietly("destroying the process group", distributed.teardown)
+
+
 def run(argv: list[str]) -> int:
     from distill import distributed, watchdog
     from distill.config import parse_config
-    from distill.diagnose import failure_report
-    from distill.errors import DistillError, Progress, Stage, report
+    from distill.errors import DistillError, Progress, Stage
 
     Progress.argv = argv
     Progress.enter(Stage.ARGV)
@@ -110,23 +132,31 @@ def run(argv: list[str]) -> int:
                 print(distiller.plan())
             return 0
         result = distiller.run()
-    except KeyboardInterrupt:
-        return report(
-            DistillError("interrupted", "rerun with --resume auto to continue", stage=Stage.TRAINING)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops at a step boundary itself)
+        from distill import workers
+
+        workers.silence_worker_signals()
+        where = Progress.where()
+        prefix = f"[Rank {os.environ['RANK']}] " if os.environ.get("RANK") is not None else ""
+        print(
+            f"{prefix}interrupted during {where}: what was finished is kept (cache entries, checkpoints); "
+            "rerun the same command to continue.",
+            file=sys.stderr,
+            flush=True,
         )
+        return EXIT_PREEMPTED
     except Exception as error:  # recognised failures get their own advice, anything else its traceback
-        return report(failure_report(error))
+        return report_failure(error)
     finally:
-        watchdog.stop()
-        distributed.teardown()
+        teardown()
     if not ctx.is_main:
         return EXIT_PREEMPTED if result.stopped_by_signal else 0
     if result.stopped_by_signal:
         print(f"stopped by {result.stopped_by_signal} at step {result.steps}; checkpoint saved.")
         print("rerun the same command (with --resume auto, the default) to continue.")
         return EXIT_PREEMPTED
-    if result.last_loss is None:  # every logged step of this run was skipped
-        print(f"done: {result.steps} steps, no loss logged (skipped steps: {result.bad_steps})")
+    if result.last_loss is None:  # resumed at its last step: nothing was left to train
+        print(f"done: {result.steps} steps, nothing left to train")
     else:
         print(f"done: {result.steps} steps, loss {result.first_loss:.4g} -> {result.last_loss:.4g}")
     print(f"student (diffusers format): {result.student_dir}")
@@ -143,5 +173,22 @@ def main(argv: list[str] | None = None) -> int:
     return run(list(sys.argv[1:] if argv is None else argv))
 
 
+def leave(code: int) -> None:
+    """End the process with `code`.
+
+    Under torchrun, once the run has torn itself down (process group destroyed, workers and
+    watchdog stopped, files closed), a rank leaves without the interpreter's finalization: on a
+    machine starved of CPU, C++ threads of torch.distributed being destroyed at that point
+    occasionally aborted the process ("terminate called without an active exception", SIGABRT)
+    after a run that had finished or stopped cleanly, replacing its exit code.
+    """
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distill.config import TrainConfig
+from distill.config import TrainConfig, finite_float
 from distill.data import DistillationDataset
 from distill.distributed import DistContext
 from distill.objective import NUM_TRAIN_TIMESTEPS, apply_guidance, sample_sigmas, sigmas_to_timesteps
@@ -504,7 +504,7 @@ class BareDmdLoop:
         self.device, self.shift, self.updates = setup.device, FLOW_SHIFT, s.critic_updates
         self.batch, self.shape = s.batch_size, (s.batch_size, *setup.latent_shape)
         self.timesteps, self.sigmas = student_grid(
-            few_step_scheduler(loop.cfg.student_shift), s.student_steps
+            few_step_scheduler(loop.cfg.student_shift, loop.cfg.student_shift_terminal), s.student_steps
         )
         self.cpu = torch.Generator().manual_seed(s.seed + 1)  # as TrainingLoop seeds its own
         self.noise_generator = torch.Generator(self.device).manual_seed(s.seed + 2)
@@ -1212,7 +1212,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchSettings, Path | Non
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="teacher weights / student autocast")
     for name in ("teacher_on_cpu", "gradient_checkpointing", "compile"):
         parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--peak_tflops", type=float, help="peak FLOP/s for MFU (default: by device name)")
+    parser.add_argument(
+        "--peak_tflops", type=finite_float, help="peak FLOP/s for MFU (default: by device name)"
+    )
     parser.add_argument(
         "--method", choices=("velocity", "dmd"), help="the training method whose step is timed (velocity)"
     )

@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 PREFIX = "step_"
+PRUNING = ".pruning-"  # a checkpoint being deleted
+STEP_FOLDER = re.compile(rf"{PREFIX}\d+")
+# Free space below which a failed write is put down to a full disk.
+FULL_BELOW_BYTES = 64 * 1024**2
 
 
 @dataclass
@@ -93,9 +98,9 @@ def save_checkpoint(
         if final.exists():  # a re-save of the same step (after a resume): replace it only now
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except OSError as exc:
+    except Exception as exc:  # OSError, or torch's / safetensors' own words for a failed write
         shutil.rmtree(tmp, ignore_errors=True)
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = disk_is_full(exc, root)
         raise DistillError(
             ("the disk is full: " if full else "")
             + f"could not write the checkpoint for step {step} in {root}",
@@ -116,17 +121,46 @@ def save_checkpoint(
     return final
 
 
+def disk_is_full(exc: BaseException, folder: Path) -> bool:
+    """Whether a failed write ran out of space: torch.save says only "iostream error" and
+    safetensors its own words, so the disk itself is asked too."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left" in str(exc):
+        return True
+    try:
+        return shutil.disk_usage(folder if folder.exists() else folder.parent).free < FULL_BELOW_BYTES
+    except OSError:
+        return False
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / MARKER).is_file()]
+    # Only our own names: a user's copy beside them ("step_00000004.bak", "step_4 old") is left alone.
+    found = [
+        p for p in root.iterdir() if STEP_FOLDER.fullmatch(p.name) and p.is_dir() and (p / MARKER).is_file()
+    ]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
 def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints, and what killed saves and prunes left.
+
+    A checkpoint is first renamed out of the step_* names (atomic), then deleted: a process killed
+    halfway through deleting it must not leave a folder that still carries its COMPLETE marker
+    but lacks its weights. Only one run writes into a folder at a time (distill/output_dir.py),
+    so every leftover of another process is stale.
+    """
     for old in complete_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        doomed = root / f"{PRUNING}{old.name}-{os.getpid()}"
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    for leftover in root.iterdir():
+        stale_save = leftover.name.startswith(".tmp-") and not leftover.name.endswith(f"-{os.getpid()}")
+        if stale_save or leftover.name.startswith(PRUNING):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
@@ -136,10 +170,26 @@ def load_checkpoint(path: Path) -> Checkpoint:
             fixes=["pass --resume auto to use the newest complete checkpoint"],
             stage=Stage.CHECKPOINT,
         )
-    model = load_file(str(path / "student.safetensors"))
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    meta = json.loads((path / "meta.json").read_text())
-    others = {f.stem: load_file(str(f)) for f in sorted(path.glob("*.safetensors")) if f.stem != "student"}
+    try:
+        model = load_file(str(path / "student.safetensors"))
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        meta = json.loads((path / "meta.json").read_text())
+        others = {
+            f.stem: load_file(str(f)) for f in sorted(path.glob("*.safetensors")) if f.stem != "student"
+        }
+    except Exception as exc:  # truncated, overwritten or unreadable files: whichever library noticed
+        older = [p for p in complete_checkpoints(path.parent) if p != path]
+        raise DistillError(
+            f"checkpoint {path} is damaged and cannot be loaded",
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+            causes=["a file was truncated or overwritten after the save (a copy, a sync tool, a full disk)"],
+            fixes=[
+                "--resume auto: the newest checkpoint that loads"
+                + (f" (here: {older[-1].name})" if older else ""),
+                f"or --resume with another folder of {path.parent}",
+            ],
+            stage=Stage.CHECKPOINT,
+        ) from None
     return Checkpoint(path, model, state, meta, others)
 
 

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,17 @@ from distill.errors import DistillError, Stage
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **extra: Any) -> Any:
     """A dataclass field that carries its CLI help text (and choices) as metadata."""
     return field(default=default, metadata={"help": help, "choices": choices, **extra})
+
+
+def finite_float(text: str) -> float:
+    """argparse type of the command-line tools' number flags: inf and nan are refused by name."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def parse_betas(text: str) -> tuple[float, float]:
@@ -102,6 +114,11 @@ class TrainConfig:
         "dmd: shift of the student's flow-match step grid (set_timesteps(K)); 5 puts 2 of 4 steps on each "
         "side of the A14B boundary 0.875.",
     )
+    student_shift_terminal: float | None = _opt(
+        None,
+        "dmd: the sigma the student's last step lands at (diffusers' shift_terminal; e.g. 0.25 gives "
+        "1000, 931, 783, 250 at shift 5 and 4 steps instead of 1000, 910, 717, 24). Off by default.",
+    )
     critic_config: str | None = _opt(
         None, "dmd: JSON of WanTransformer3DModel keys for the critic (default: the student's config)."
     )
@@ -109,7 +126,9 @@ class TrainConfig:
         None, "dmd: random, teacher or a pretrained folder for the critic (default: like the student)."
     )
     critic_updates: int = _opt(5, "dmd: critic updates per generator update.")
-    critic_lr: float | None = _opt(None, "dmd: peak learning rate of the critic's AdamW (default: --lr).")
+    critic_lr: float | None = _opt(
+        None, "dmd: peak learning rate of the critic's AdamW (default with --method dmd: 4e-7)."
+    )
     critic_betas: str = _opt("0,0.999", "dmd: AdamW betas of the critic, as 'beta1,beta2'.")
     generator_betas: str = _opt(
         "0,0.999", "dmd: AdamW betas of the student (generator), as 'beta1,beta2' (velocity: AdamW's own)."
@@ -137,8 +156,12 @@ class TrainConfig:
     gradient_accumulation_steps: int = _opt(1, "Micro-steps per optimizer step.")
     num_steps: int | None = _opt(None, "Optimizer steps to run (default 1000 unless --num_epochs is given).")
     num_epochs: int | None = _opt(None, "Passes over the prompts; used when --num_steps is not given.")
-    lr: float = _opt(1e-4, "Peak learning rate of AdamW.")
-    lr_scheduler: str = _opt("cosine", "Learning-rate shape after warm-up.", ("cosine", "constant"))
+    lr: float = _opt(1e-4, "Peak learning rate of AdamW (default with --method dmd: 2e-6).")
+    lr_scheduler: str = _opt(
+        "cosine",
+        "Learning-rate shape after warm-up (default with --method dmd: constant).",
+        ("cosine", "constant"),
+    )
     lr_warmup_steps: int = _opt(0, "Linear warm-up steps.")
     weight_decay: float = _opt(0.0, "AdamW weight decay.")
     max_grad_norm: float = _opt(1.0, "Clip gradients to this global norm (0 disables clipping).")
@@ -261,6 +284,7 @@ class TrainConfig:
             "student_steps",
             "critic_updates",
         ]
+        self._validate_finite()
         for name in positive + ["num_steps", "num_epochs", "max_prompts", "plan_world_size"]:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -290,7 +314,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise _config_error(name, "must be 0 or more", f"set --{name} 0")
         if self.num_frames % 4 != 1:
-            k = max(0, round((self.num_frames - 1) / 4))
+            k = max(1, round((self.num_frames - 1) / 4))
             raise _config_error(
                 "num_frames",
                 f"must be 4k+1 (the Wan VAE compresses time by 4), got {self.num_frames}",
@@ -328,9 +352,34 @@ class TrainConfig:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise _config_error("device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
 
+    def _validate_finite(self) -> None:
+        """inf or nan in any number setting: refused before it trains a student of NaNs."""
+        types = _field_types()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            base = next((a for a in typing.get_args(types[f.name]) if a is not type(None)), types[f.name])
+            if base is float and value is not None and not math.isfinite(value):
+                default = f" (its default is {f.default})" if f.default is not None else ""
+                raise _config_error(
+                    f.name, f"must be a finite number, got {value}", f"give --{f.name} a number{default}"
+                )
+
     def _validate_method(self) -> None:
         if self.method != "dmd":
             return
+        if self.student_init == "random":
+            raise DistillError(
+                "--method dmd needs a student that can already denoise: --student_init is random",
+                "Distribution matching sharpens a generator; it does not teach one from nothing. A random "
+                "student (and its critic, which starts like it) spends the run learning what stage 1 "
+                "teaches far more cheaply, and published recipes always start from trained weights.",
+                fixes=[
+                    "run stage 1 first (velocity distillation at --guidance_scale 1 --guidance_scale_2 1), "
+                    "then --student_init <stage-1 output>/student (README: the two-stage recipe)",
+                    "or --student_init teacher: the student's blocks copied from one teacher expert",
+                ],
+                stage=Stage.CONFIG,
+            )
         for name in ("critic_betas", "generator_betas"):
             try:
                 betas = parse_betas(getattr(self, name))
@@ -345,6 +394,12 @@ class TrainConfig:
         if self.critic_lr is not None and self.critic_lr <= 0:
             raise _config_error(
                 "critic_lr", f"must be positive, got {self.critic_lr}", "try --critic_lr 2e-6"
+            )
+        if self.student_shift_terminal is not None and not 0 < self.student_shift_terminal < 1:
+            raise _config_error(
+                "student_shift_terminal",
+                f"must be a sigma between 0 and 1, got {self.student_shift_terminal}",
+                "try --student_shift_terminal 0.25, or leave it out",
             )
         if self.student_shift <= 0:
             raise _config_error(
@@ -557,6 +612,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+# What --method dmd uses for the settings a command line or --config file leaves out: the rates and
+# schedule of published Wan-scale DMD runs (generator 2e-6, critic 4e-7, constant). The velocity
+# method's 1e-4 with cosine decay is about 50x too hot for a generator and its critic at 14B scale.
+DMD_DEFAULTS: dict[str, Any] = {"lr": 2e-6, "critic_lr": 4e-7, "lr_scheduler": "constant"}
+
+
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """Resolve a TrainConfig from argv and an optional --config file, then validate it."""
     parser = build_parser()
@@ -577,6 +638,8 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
             raise _config_error(
                 name, f"must be a {base.__name__}, got {value!r}", f"fix '{name}' in {given.config}"
             )
+    if values.get("method") == "dmd":
+        values = {**DMD_DEFAULTS, **values}
     cfg = TrainConfig(**values)
     if cfg.num_steps is None and cfg.num_epochs is None:
         cfg.num_steps = 1000

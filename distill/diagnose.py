@@ -13,8 +13,15 @@ import shlex
 import traceback
 from collections.abc import Callable
 
-from distill import errors
+from distill import errors, workers
 from distill.errors import DistillError, Progress, Stage, current_rank
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (empty for none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
 
 # ---------------------------------------------------------------------------------------------
 # Rewriting the user's command line
@@ -235,7 +242,6 @@ def out_of_memory_error(
         fixes.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to reduce fragmentation")
     if combined != argv and _valid(combined):
         fixes.append("all of the flag changes above at once:\n       " + command(combined))
-    first_line = str(exc).splitlines()[0] if str(exc) else ""
     cause = (
         "the teacher, the student with its optimizer state, and the activations do not fit together"
         if gpu
@@ -243,7 +249,7 @@ def out_of_memory_error(
     )
     return DistillError(
         f"out of memory during {Progress.where()}",
-        f"{type(exc).__name__}: {first_line}\n{errors.memory_picture()}",
+        f"{type(exc).__name__}: {first_line(exc)}\n{errors.memory_picture()}",
         causes=[cause],
         fixes=fixes,
         stage=Stage.OUT_OF_MEMORY,
@@ -263,6 +269,11 @@ WORKER_MARKERS = (
 )
 
 
+# How long a report waits for a worker whose sockets closed to be seen exiting (normally milliseconds;
+# seconds on a machine starved of CPU).
+WORKER_EXIT_WAIT_S = 5.0
+
+
 def is_worker_failure(exc: BaseException) -> bool:
     return any(marker in str(exc) for marker in WORKER_MARKERS)
 
@@ -276,8 +287,13 @@ def shared_memory_picture() -> str:
     return f"/dev/shm: {stat.f_bavail * stat.f_frsize / gib:.2f} GiB free of {stat.f_blocks * stat.f_frsize / gib:.2f} GiB"
 
 
-def dataloader_worker_error(exc: BaseException, argv: list[str] | None = None) -> DistillError:
-    """A DataLoader worker process died (a signal, the OOM killer, or /dev/shm too small)."""
+def dataloader_worker_error(
+    exc: BaseException, argv: list[str] | None = None, dead: list[workers.DeadWorker] | None = None
+) -> DistillError:
+    """A DataLoader worker process died (a signal, the OOM killer, or /dev/shm too small).
+
+    `dead` names the workers seen dead; without it, the exception's own text is the evidence.
+    """
     argv = list(Progress.argv if argv is None else argv)
     cfg = _config(argv)
     workers = cfg.num_workers if cfg is not None else None
@@ -299,7 +315,16 @@ def dataloader_worker_error(exc: BaseException, argv: list[str] | None = None) -
     fixes.append("then rerun the same command: --resume auto continues from the last checkpoint")
     return DistillError(
         f"a DataLoader worker process died during {Progress.where()}",
-        f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}\n{shared_memory_picture()}\n{count}",
+        "\n".join(
+            [
+                *(worker.describe() for worker in dead or []),
+                f"the training process then saw {type(exc).__name__}: {first_line(exc)}"
+                if dead
+                else f"{type(exc).__name__}: {first_line(exc)}",
+                shared_memory_picture(),
+                count,
+            ]
+        ),
         causes=[
             "/dev/shm too small for the batches in flight (docker's default is 64 MB): 'Bus error', "
             "'out of shared memory', 'No space left on device'",
@@ -381,6 +406,9 @@ NCCL_MARKERS = (
 
 
 def is_peer_lost(exc: BaseException) -> bool:
+    """A connection to another rank broke; never said of a single process, which has no peer."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False
     text = f"{type(exc).__name__}: {exc}"
     return any(marker in text for marker in PEER_LOST_MARKERS)
 
@@ -404,6 +432,7 @@ def peer_lost_error(exc: BaseException) -> DistillError:
             "rerun with --resume auto to continue from the last checkpoint",
         ],
         stage=Stage.TRAINING,
+        secondary=True,
     )
 
 
@@ -449,7 +478,7 @@ def nccl_error(exc: BaseException) -> DistillError:
     ]
     return DistillError(
         f"NCCL failed during {Progress.where()}" + (" (a collective timed out)" if timeout else ""),
-        f"{type(exc).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}",
+        f"{type(exc).__name__}: {first_line(exc)}",
         causes=causes,
         fixes=fixes,
         stage=Stage.TRAINING,
@@ -486,10 +515,22 @@ RECOGNISED: tuple[tuple[Callable[[BaseException], bool], Callable[[BaseException
 )
 
 
+def _may_hide_a_dead_worker(exc: BaseException) -> bool:
+    """Errors a worker's death shows up as before its exit can be seen (a broken hand-over)."""
+    return isinstance(exc, (ConnectionError, EOFError)) or is_worker_failure(exc)
+
+
 def failure_report(exc: BaseException) -> DistillError:
-    """The DistillError to report for any exception that ended the run."""
+    """The DistillError to report for any exception that ended the run.
+
+    What actually died comes first: a DataLoader worker of this process that is seen dead makes
+    the failure a data failure, whatever the exception that reached the loop says.
+    """
     if isinstance(exc, DistillError):
         return exc
+    dead = workers.dead_workers(wait_s=WORKER_EXIT_WAIT_S if _may_hide_a_dead_worker(exc) else 0.0)
+    if dead:
+        return dataloader_worker_error(exc, dead=dead)
     for recognise, explain in RECOGNISED:
         if recognise(exc):
             return explain(exc)

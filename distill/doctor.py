@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from distill import distributed
+from distill.config import finite_float
 from distill.errors import DistillError
 
 
@@ -67,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distill.doctor", description=__doc__.split("\n")[0])
     parser.add_argument("--teacher_path", help="also check this teacher folder's layout")
     parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"))
-    parser.add_argument("--dist_timeout", type=float, default=5.0, help="minutes to wait for the other ranks")
+    parser.add_argument(
+        "--dist_timeout", type=finite_float, default=5.0, help="minutes to wait for the other ranks"
+    )
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK")
     prefix = f"[Rank {rank}] " if rank is not None else ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 
 
@@ -41,8 +41,10 @@ class DistillError(Exception):
         causes: Sequence[str] = (),
         fixes: Sequence[str] = (),
         stage: Stage = Stage.CONFIG,
+        secondary: bool = False,
     ) -> None:
         super().__init__(title if not details else f"{title}: {details}")
+        self.secondary = secondary  # this rank only failed because another one did first
         self.title = title
         self.details = details
         self.causes = list(causes)
@@ -96,11 +98,14 @@ class Progress:
         return f"{name}, step {cls.step}" if cls.step is not None else name
 
 
-def write_torchrun_error_file(message: str) -> None:
+def write_torchrun_error_file(message: str, secondary: bool = False) -> None:
     """Put `message` where torchrun's ChildFailedError summary reads the root cause.
 
     torchrun sets TORCHELASTIC_ERROR_FILE per worker; a JSON {"message", "timestamp"} there is
-    shown verbatim as the failure's root cause instead of `error_file: <N/A>`.
+    shown verbatim as the failure's root cause instead of `error_file: <N/A>`. torchrun takes
+    the earliest timestamp as the root cause, in whole seconds, and the lowest rank on a tie: a
+    `secondary` failure (a rank that lost its peer) is dated one second later, so that it never
+    takes the place of the rank that failed first within the same second.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -110,16 +115,36 @@ def write_torchrun_error_file(message: str) -> None:
 
     try:
         with open(path, "w") as handle:
-            json.dump({"message": message, "timestamp": int(time.time())}, handle)
+            json.dump({"message": message, "timestamp": int(time.time()) + int(secondary)}, handle)
     except OSError:
         pass  # reporting must never fail the report itself
+
+
+def quietly(what: str, action: Callable[[], object]) -> None:
+    """Run one clean-up step; if it fails, say so in one line and go on.
+
+    Clean-up runs after the run's own outcome (success, or a banner with its exit code) is
+    settled: a second failure here, e.g. a signal handler raising inside `Thread.join`, must
+    neither replace that outcome nor print a traceback after the banner.
+    """
+    try:
+        action()
+    except BaseException as exc:  # noqa: BLE001 - see above: nothing may escape from clean-up
+        rank = current_rank()
+        text = str(exc).strip().splitlines()
+        print(
+            f"{f'[Rank {rank}] ' if rank is not None else ''}warning: {what} failed during clean-up "
+            f"({type(exc).__name__}: {text[0] if text else ''}); ignored",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def report(error: DistillError) -> int:
     """Print the banner for `error` on stderr, hand it to torchrun, and return the exit code."""
     banner = format_banner(error, current_rank())
     print(banner, file=sys.stderr, flush=True)
-    write_torchrun_error_file(banner)
+    write_torchrun_error_file(banner, error.secondary)
     return int(error.stage)
 
 

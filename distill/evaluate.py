@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from distill.config import finite_float
 from distill.errors import DistillError, Stage, report
 from distill.objective import NUM_TRAIN_TIMESTEPS, add_noise, per_sample_mse
 from distill.run_settings import (
@@ -731,11 +732,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_buckets", type=int, default=defaults.num_buckets)
     parser.add_argument("--samples_per_bucket", type=int, default=defaults.samples_per_bucket)
     parser.add_argument(
-        "--guidance_scale", type=float, help=f"Teacher, high-noise expert ({run} {defaults.guidance_scale})."
+        "--guidance_scale",
+        type=finite_float,
+        help=f"Teacher, high-noise expert ({run} {defaults.guidance_scale}).",
     )
     parser.add_argument(
         "--guidance_scale_2",
-        type=float,
+        type=finite_float,
         help=f"Teacher, low-noise expert ({run} {defaults.guidance_scale_2}).",
     )
     parser.add_argument(
@@ -790,7 +793,7 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
         "negative_prompt": run.negative_prompt if run else "",
         "max_sequence_length": run.max_sequence_length if run else DEFAULT_MAX_SEQUENCE_LENGTH,
     }
-    fill_left_out_flags(args, defaults)
+    fill_left_out_flags(args, defaults, found[1] if found else None)
     # A few-step student samples with its own scheduler; its teacher at the run's full step count.
     args.student_scheduler = run.scheduler if run else None
     if args.teacher_steps is None:
@@ -808,10 +811,12 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         teacher_limits,
         trained_size_fix,
     )
+    from distill.output_dir import writable_folder
     from distill.sampling import check_sample_size, encode_prompts
     from distill.teacher import inspect_teacher, load_expert
 
-    student_dir = require_student_folder(args.student)
+    student_dir = require_student_folder(args.student, teacher_only=False)
+    writable_folder(args.output_dir, "--output_dir", create=False)  # before anything loads or samples
     found = resolve_defaults(args)
     for name in (
         "steps",
@@ -851,7 +856,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         args.max_sequence_length,
         f"defaults from {found[1]}; flags override" if found else "flags and built-in defaults",
     )
-    prompts = read_prompts(args.prompts)[: args.max_prompts]
+    prompts = read_prompts(args.prompts, "--prompts")[: args.max_prompts]
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     student = load_student(student_dir, info, device, dtype)

@@ -27,12 +27,20 @@ from distill.errors import DistillError, Stage
 from distill.objective import NUM_TRAIN_TIMESTEPS, high_noise_mask
 
 
-def few_step_scheduler(shift: float) -> Any:
-    """The scheduler a few-step student is trained with and exported with."""
+def few_step_scheduler(shift: float, shift_terminal: float | None = None) -> Any:
+    """The scheduler a few-step student is trained with and exported with.
+
+    `shift_terminal` stretches the shifted grid so that its last step lands at that sigma instead
+    of near 0 (shift 5, 4 steps: timesteps 1000, 931, 783, 250 instead of 1000, 910, 717, 24); it
+    is part of the scheduler's config, so stock WanPipeline's set_timesteps(K) reproduces it.
+    """
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     return FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=shift, stochastic_sampling=True
+        num_train_timesteps=NUM_TRAIN_TIMESTEPS,
+        shift=shift,
+        shift_terminal=shift_terminal,
+        stochastic_sampling=True,
     )
 
 
@@ -57,7 +65,8 @@ def check_grid(timesteps: torch.Tensor, boundary_ratio: float, shift: float) -> 
             f"{'high' if low == 0 else 'low'}-noise expert's range",
             f"timesteps {[round(float(t)) for t in timesteps]}, expert boundary t = {boundary_ratio * 1000:.0f}",
             fixes=[
-                "use a shift that splits the steps across the boundary, e.g. --student_shift 5 for 4 steps"
+                "use a shift that splits the steps across the boundary, e.g. --student_shift 5 for 4 steps",
+                "or move the last step up with --student_shift_terminal (e.g. 0.25)",
             ],
             stage=Stage.CONFIG,
         )

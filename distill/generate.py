@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
+from distill.config import finite_float
 from distill.errors import DistillError, Stage, report
+from distill.output_dir import writable_folder
 from distill.run_settings import (
     RunSettings,
     fill_left_out_flags,
@@ -114,8 +116,11 @@ def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dt
     return student.requires_grad_(False).eval().to(device)
 
 
-def require_student_folder(folder: str | Path) -> Path:
-    """`folder` if it holds an exported student (a config.json), else a report saying what it holds."""
+def require_student_folder(folder: str | Path, teacher_only: bool = True) -> Path:
+    """`folder` if it holds an exported student (a config.json), else a report saying what it holds.
+
+    `teacher_only`: whether the command has --teacher_only to offer as a way out.
+    """
     folder = Path(folder)
     if (folder / "config.json").is_file():
         return folder
@@ -130,7 +135,7 @@ def require_student_folder(folder: str | Path) -> Path:
         causes=["training has not finished (the student is exported at the end)", "a typo in --student"],
         fixes=[
             "pass the student/ (or student_ema/) folder that train_distillation.py wrote into --output_dir",
-            "or render the teacher alone with --teacher_only",
+            *(["or render the teacher alone with --teacher_only"] if teacher_only else []),
         ],
         stage=Stage.CONFIG,
     )
@@ -208,7 +213,7 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
             warn_without_run_settings(
                 args.student, *(FALLBACK[k] for k in ("height", "width", "steps", "max_sequence_length"))
             )
-    fill_left_out_flags(args, defaults)
+    fill_left_out_flags(args, defaults, found[1] if found else None)
     return found
 
 
@@ -249,7 +254,7 @@ def collect_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> 
                 fixes=["check the path; data/sample_prompts.txt ships with the project"],
                 stage=Stage.ARGV,
             )
-        collected += read_prompts(prompts_file)
+        collected += read_prompts(prompts_file, "--prompts_file")
     if not collected:
         raise DistillError(
             "no prompt given", fixes=['pass --prompt "..." or --prompts_file FILE'], stage=Stage.ARGV
@@ -294,6 +299,14 @@ def check_counts(args: argparse.Namespace) -> None:
                 fixes=[f"use --{name} 1 or more (or leave it out: the run's value is the default)"],
                 stage=Stage.CONFIG,
             )
+    # Before the output's suffix is judged: its advice (.png or .mp4) follows from a valid count.
+    if args.num_frames < 1 or args.num_frames % 4 != 1:
+        video = 4 * max(1, round((args.num_frames - 1) / 4)) + 1
+        raise DistillError(
+            f"--num_frames must be 4k+1 (the Wan VAE compresses time by 4), got {args.num_frames}",
+            fixes=[f"--num_frames 1 for an image (.png), or --num_frames {video} for a video (.mp4)"],
+            stage=Stage.CONFIG,
+        )
 
 
 def generate(args: argparse.Namespace) -> list[Path]:
@@ -312,6 +325,8 @@ def generate(args: argparse.Namespace) -> list[Path]:
     check_counts(args)
     prompts = collect_prompts(args.prompt, args.prompts_file)
     targets = output_paths(args.output, len(prompts), args.num_frames)
+    for folder in dict.fromkeys(target.parent for target in targets):  # before anything renders
+        writable_folder(folder, "--output", create=False)
     info = inspect_teacher(args.teacher_path)
     model = teacher_limits(info) if args.teacher_only else student_limits(args.student)
     check_sample_size(
@@ -393,11 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="Prompt i uses seed + i.")
     parser.add_argument(
         "--guidance",
-        type=float,
+        type=finite_float,
         help=f"Guidance scale ({run} 1.0 for the student, {TEACHER_GUIDANCE[0]} for the teacher).",
     )
     parser.add_argument(
-        "--guidance_2", type=float, help=f"Teacher's low-noise guidance ({run} {TEACHER_GUIDANCE[1]})."
+        "--guidance_2", type=finite_float, help=f"Teacher's low-noise guidance ({run} {TEACHER_GUIDANCE[1]})."
     )
     parser.add_argument("--negative_prompt", help="Used only when guidance > 1 (default: the run's).")
     parser.add_argument(

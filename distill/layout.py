@@ -1,7 +1,9 @@
-"""What a Wan 2.2 teacher folder must contain, and how to tell what is missing."""
+"""What a Wan 2.2 teacher folder must contain, and how to tell what is missing or cut short
+(read from names and file headers only: no torch here)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 # The diffusers layout of Wan-AI/Wan2.2-T2V-A14B-Diffusers. `transformer` is the high-noise
@@ -46,3 +48,20 @@ def present_entries(folder: str | Path) -> list[str]:
     if not folder.is_dir():
         return []
     return sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be whole (truncated, garbage header), read from its header only."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            if header_length <= 0 or 8 + header_length > size:
+                return f"header length {header_length} does not fit in a file of {size} bytes (truncated?)"
+            header = json.loads(handle.read(header_length))
+    except (OSError, ValueError) as exc:
+        return f"unreadable header ({type(exc).__name__}: {exc})"
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if 8 + header_length + end > size:
+        return f"the file is {size} bytes but its tensors need {8 + header_length + end}: it was cut short"
+    return None

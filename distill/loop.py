@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distill import checkpoint as ckpt
 from distill import distributed as dist_utils
-from distill import watchdog
+from distill import watchdog, workers
 from distill.config import TrainConfig
 from distill.data import DistillationDataset, ResumableSampler
 from distill.errors import DistillError, Progress, Stage
@@ -68,6 +68,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
+        self._held = False
 
     def __enter__(self) -> StopRequest:
         for sig in STOP_SIGNALS:
@@ -79,7 +80,21 @@ class StopRequest:
     def _handle(self, signum: int, frame: Any) -> None:
         self.signal_name = signal.Signals(signum).name
 
+    def hold(self) -> None:
+        """Ignore these signals from now until the process exits: the stop is already under way.
+
+        Under torchrun, the first rank to exit with 75 makes the agent SIGTERM the ranks still
+        finishing the same orderly stop; with the default handler back, those would die of that
+        signal instead of exiting 75 themselves. SIG_IGN, not a Python handler: Python resets its
+        own handlers to the default while the interpreter shuts down, and ignoring survives that.
+        """
+        self._held = True
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
+
     def __exit__(self, *exc: Any) -> None:
+        if self._held:
+            return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -251,6 +266,29 @@ class TrainingLoop:
         if found is None:
             return None
         self.distiller.check_checkpoint(found.path, found.meta)
+        try:
+            self._restore(found)
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:  # shapes, or missing state entries
+            text = str(exc).strip()
+            raise DistillError(
+                f"checkpoint {found.path} does not fit this run's models or optimizers",
+                f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}",
+                causes=["--force_resume with another student or critic shape, or another optimizer setup"],
+                fixes=[
+                    "resume with the --student_config (and --critic_config) the checkpoint was made with",
+                    "or start this run in another --output_dir (a different shape cannot continue a run)",
+                ],
+                stage=Stage.CHECKPOINT,
+            ) from None
+        self.step, self.consumed = found.step, int(found.meta["consumed"])
+        self.skipped_steps = int(found.meta.get("skipped_steps", 0))
+        self.wandb_run_id = found.meta.get("wandb_run_id")
+        if self.ctx.is_main:
+            logger.info("resumed from %s (step %d)", found.path, self.step)
+        return found.path
+
+    def _restore(self, found: ckpt.Checkpoint) -> None:
+        """Every model, optimizer, schedule, scaler, EMA and RNG state from `found`."""
         unwrap_model(self.student).load_state_dict(found.model)
         state = found.state
         self.optimizer.load_state_dict(state["optimizer"])
@@ -277,12 +315,6 @@ class TrainingLoop:
             self.lr_schedules[name].load_state_dict(state["models"][name]["lr_schedule"])
             self.scalers[name].load_state_dict(state["models"][name]["scaler"])
         self.method.load_state_dict(state.get("method", {}))
-        self.step, self.consumed = found.step, int(found.meta["consumed"])
-        self.skipped_steps = int(found.meta.get("skipped_steps", 0))
-        self.wandb_run_id = found.meta.get("wandb_run_id")
-        if self.ctx.is_main:
-            logger.info("resumed from %s (step %d)", found.path, self.step)
-        return found.path
 
     # -- the step ----------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -304,6 +336,15 @@ class TrainingLoop:
         no_sync = model.no_sync if (self.ctx.enabled and not sync) else contextlib.nullcontext
         with no_sync():
             out = self.method.loss(update, batch, self.randomness)
+            stray = out.off_device(self.device)
+            if stray:
+                raise DistillError(
+                    f"the {self.method.name} method's {update} update returned tensors off the "
+                    f"training device {self.device}: {', '.join(stray)}",
+                    "Every tensor of an UpdateLoss must live on the training device (MethodEnv.device).",
+                    fixes=["a bug in the method: move those tensors with .to(env.device); please report it"],
+                    stage=Stage.INTERNAL,
+                )
             losses = out.losses
             if poison:  # DISTILL_INJECT_FAULT=nan:STEP
                 losses = losses * float("nan")
@@ -423,7 +464,8 @@ class TrainingLoop:
 
     def train(self, result: RunResult) -> None:
         cfg = self.cfg
-        batches = iter(self.make_loader())
+        # Tracked so that a failure report can ask the worker processes whether one died.
+        batches = workers.track(iter(self.make_loader()))
         tracker = Tracker(
             self.output_dir,
             self.ctx.is_main,
@@ -459,6 +501,8 @@ class TrainingLoop:
                     self._observe(monitor, tracker)
                     if stop_now:
                         result.stopped_by_signal = stop.signal_name or "a signal on another rank"
+                        if dist_utils.launched_by_torchrun():
+                            stop.hold()
                         logger.warning(
                             "stop requested (%s): saving a checkpoint at step %d and exiting",
                             result.stopped_by_signal,
@@ -475,6 +519,7 @@ class TrainingLoop:
             self.check_ranks_agree()
         finally:
             tracker.close()
+        workers.release(batches)  # on failure the workers stay until the report has looked at them
         result.steps = self.step
 
     def _observe(self, monitor: SampleMonitor, tracker: Tracker, final: bool = False) -> None:

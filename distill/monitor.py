@@ -120,6 +120,8 @@ class SampleSettings:
     """dmd: the student's sampler steps K (the teacher keeps sample_steps)."""
     student_shift: float = 5.0
     """dmd: shift of the student's K-step flow-match scheduler."""
+    student_shift_terminal: float | None = None
+    """dmd: the sigma the student's last step lands at (None: the shifted grid as it is)."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> SampleSettings:
@@ -164,7 +166,7 @@ class SampleSettings:
             return None
         from distill.few_step import few_step_scheduler
 
-        scheduler = few_step_scheduler(self.student_shift)
+        scheduler = few_step_scheduler(self.student_shift, self.student_shift_terminal)
         return {"_class_name": type(scheduler).__name__, **dict(scheduler.config)}
 
     def eval_settings(self) -> EvalSettings:
@@ -231,7 +233,7 @@ def _read_prompt_file(path: str | Path, flag: str) -> list[str]:
             fixes=[f"check the path, or leave --{flag} out to use {DEFAULT_SAMPLE_PROMPTS.name} (held out)"],
             stage=Stage.CONFIG,
         )
-    return read_prompts(path)
+    return read_prompts(path, f"--{flag}")
 
 
 class SampleMonitor:

@@ -106,7 +106,7 @@ def original_problems(folder: str | Path) -> list[str]:
 
 
 def _expert_problems(folder: Path) -> list[str]:
-    from distill.teacher import safetensors_problem  # teacher.py imports this module
+    from distill.layout import safetensors_problem
 
     name = folder.name
     problems = [] if (folder / "config.json").is_file() else [f"{name}/config.json is missing"]

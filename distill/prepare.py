@@ -9,12 +9,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from distill.config import TrainConfig
 from distill.data import TensorCache, fill_cache, prompt_key
+from distill.errors import DistillError, Stage
+from distill.objective import NUM_TRAIN_TIMESTEPS
 from distill.teacher import TeacherInfo, free, load_text_encoder
 
 logger = logging.getLogger(__name__)
@@ -106,6 +109,28 @@ def prompt_seed(seed: int, prompt: str) -> int:
     return (seed * 1_000_003 + int(prompt_key(prompt)[:12], 16)) % (2**63)
 
 
+def non_finite_teacher_error(
+    info: TeacherInfo, cfg: TrainConfig, prompt: str, timestep: float
+) -> DistillError:
+    """The teacher sampled NaN or inf: name the expert that owns the first bad step."""
+    high = timestep >= info.boundary_ratio * NUM_TRAIN_TIMESTEPS
+    folder = "transformer" if high else "transformer_2"
+    return DistillError(
+        f"the teacher's {'high' if high else 'low'}-noise expert ({folder}/) produced non-finite values "
+        f"at t = {timestep:.0f} while sampling the clean-latent cache",
+        f"prompt: {prompt!r}\nNothing non-finite was cached: training on it would teach the student NaN.",
+        causes=[
+            f"damaged weights in {info.path / folder} (a truncated or overwritten download)",
+            f"--teacher_dtype float16 overflowing (this run: {cfg.teacher_dtype})",
+        ],
+        fixes=[
+            f"replace {info.path / folder} with a fresh copy of the teacher's files (python download_wan.py)",
+            "--teacher_dtype bfloat16 (or float32) if the teacher runs in float16",
+        ],
+        stage=Stage.TEACHER_LOAD,
+    )
+
+
 def fill_latent_cache(
     cache: TensorCache,
     prompts: Sequence[str],
@@ -154,6 +179,15 @@ def fill_latent_cache(
 
     def sample(prompt: str) -> torch.Tensor:
         cond = pad_embedding(embeddings.get(prompt), cfg.max_sequence_length)[None].to(device, dtype)
+        first_non_finite: list[float] = []
+
+        def watch(_pipe: Any, _step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            # One check per sampler step (a device sync, only while the cache is filled): the first
+            # non-finite step says which expert produced it.
+            if not first_non_finite and not torch.isfinite(tensors["latents"]).all():
+                first_non_finite.append(float(timestep))
+            return tensors
+
         with torch.no_grad():
             latents = pipe(
                 prompt_embeds=cond,
@@ -167,7 +201,11 @@ def fill_latent_cache(
                 generator=torch.Generator("cpu").manual_seed(prompt_seed(cfg.seed, prompt)),
                 output_type="latent",
                 max_sequence_length=cfg.max_sequence_length,
+                callback_on_step_end=watch,
+                callback_on_step_end_tensor_inputs=["latents"],
             ).frames
+        if first_non_finite:
+            raise non_finite_teacher_error(info, cfg, prompt, first_non_finite[0])
         return latents[0].float().cpu()
 
     built = 0

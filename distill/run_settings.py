@@ -197,12 +197,30 @@ def warn_without_run_settings(student: Any, height: int, width: int, steps: int,
     )
 
 
-def fill_left_out_flags(args: Any, defaults: dict[str, Any]) -> None:
+def fill_left_out_flags(args: Any, defaults: dict[str, Any], source: Path | None = None) -> None:
     """Give every flag the user left out (None) its default, then require a teacher: without
-    run settings nothing else can name the teacher the student was distilled from."""
+    run settings nothing else can name the teacher the student was distilled from.
+
+    `source` is the run_settings.json the defaults come from: a teacher folder it records (always
+    absolute) that is no longer there is reported naming that file and the flag that overrides it.
+    """
+    recorded_teacher = getattr(args, "teacher_path", None) is None and defaults.get("teacher_path")
     for name, value in defaults.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+    if (
+        recorded_teacher
+        and source
+        and Path(args.teacher_path).is_absolute()
+        and not Path(args.teacher_path).exists()
+    ):
+        raise DistillError(
+            f"the teacher recorded in {source} is not there any more: {args.teacher_path}",
+            "The student's run settings name the teacher it was distilled from by the absolute folder it "
+            "had at training time; the folder has been moved or deleted, or this is another machine.",
+            fixes=[f"pass --teacher_path NEW_FOLDER (it overrides the teacher in {source.name})"],
+            stage=Stage.CONFIG,
+        )
     if not args.teacher_path:
         raise DistillError(
             "--teacher_path is required",

@@ -867,13 +867,22 @@ def export_student(model: nn.Module, out_dir: str | Path) -> Path:
             shutil.rmtree(retired, ignore_errors=True)
         else:
             os.replace(staging, out_dir)
-    except OSError as err:
+    except Exception as err:  # OSError, or safetensors' / torch's own words for a failed write
+        from distill.checkpoint import checkpoint_root, complete_checkpoints, disk_is_full
+
         shutil.rmtree(staging, ignore_errors=True)
+        full = disk_is_full(err, out_dir.parent)
+        kept = complete_checkpoints(checkpoint_root(out_dir.parent))
         raise DistillError(
-            "Cannot export the student",
-            f"{out_dir}: {err}",
-            causes=["The disk is full or the folder is not writable."],
+            ("the disk is full: " if full else "") + f"cannot export the student to {out_dir}",
+            f"{type(err).__name__}: {err}",
+            causes=["the disk is full", "the folder is not writable"],
+            fixes=[
+                "free space (df -h) or point --output_dir at a larger, writable disk",
+                "then rerun the same command: it resumes from the last checkpoint"
+                + (f" ({kept[-1].name}) and exports" if kept else " and exports"),
+            ],
             stage=Stage.CHECKPOINT,
-        ) from err
+        ) from None
     logger.info("Exported student to %s", out_dir)
     return out_dir

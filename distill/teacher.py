@@ -20,7 +20,13 @@ from typing import Any
 import torch
 
 from distill.errors import DistillError, Stage
-from distill.layout import DIFFUSERS_COMPONENTS, ORIGINAL_COMPONENTS, missing_components, present_entries
+from distill.layout import (
+    DIFFUSERS_COMPONENTS,
+    ORIGINAL_COMPONENTS,
+    missing_components,
+    present_entries,
+    safetensors_problem,
+)
 from distill.objective import apply_guidance, high_noise_mask
 from distill.original_layout import ensure_converted, looks_original
 
@@ -104,23 +110,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def safetensors_problem(path: Path) -> str | None:
-    """Why a safetensors file cannot be whole (truncated, garbage header), read from its header only."""
-    size = path.stat().st_size
-    try:
-        with path.open("rb") as handle:
-            header_length = int.from_bytes(handle.read(8), "little")
-            if header_length <= 0 or 8 + header_length > size:
-                return f"header length {header_length} does not fit in a file of {size} bytes (truncated?)"
-            header = json.loads(handle.read(header_length))
-    except (OSError, ValueError) as exc:
-        return f"unreadable header ({type(exc).__name__}: {exc})"
-    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-    if 8 + header_length + end > size:
-        return f"the file is {size} bytes but its tensors need {8 + header_length + end}: it was cut short"
-    return None
-
-
 @dataclass(frozen=True)
 class TeacherInfo:
     """What the rest of the trainer needs to know about the teacher, read from its JSON files."""
@@ -182,6 +171,27 @@ class TeacherInfo:
         return digest.hexdigest()[:16]
 
 
+def check_teacher_configs(path: Path) -> tuple[dict[str, Any], ...]:
+    """(transformer, transformer_2, scheduler, vae) configs, each value of the type its class expects
+    (the text encoder's config is checked too)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config
+
+    from distill.config_files import check_value_types
+
+    def read(relative: str, cls: type) -> dict[str, Any]:
+        file = path / relative
+        return check_value_types(_read_json(file), cls, file, Stage.TEACHER_LOAD)
+
+    read("text_encoder/config.json", UMT5Config)
+    return (
+        read("transformer/config.json", WanTransformer3DModel),
+        read("transformer_2/config.json", WanTransformer3DModel),
+        read("scheduler/scheduler_config.json", UniPCMultistepScheduler),
+        read("vae/config.json", AutoencoderKLWan),
+    )
+
+
 def inspect_teacher(
     path_or_id: str, boundary_ratio: float | None = None, convert_dir: str | Path | None = None
 ) -> TeacherInfo:
@@ -208,8 +218,13 @@ def inspect_teacher(
             ],
             stage=Stage.TEACHER_LOAD,
         )
-    high = _read_json(path / "transformer" / "config.json")
-    low = _read_json(path / "transformer_2" / "config.json")
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool):
+        raise DistillError(
+            f'{path / "model_index.json"}: "boundary_ratio" must be a number (like 0.875), got {ratio!r}',
+            fixes=[f'write "boundary_ratio": 0.875 in {path / "model_index.json"}, or pass --boundary_ratio'],
+            stage=Stage.TEACHER_LOAD,
+        )
+    high, low, scheduler, vae = check_teacher_configs(path)
     for key in ("in_channels", "out_channels", "text_dim", "patch_size"):
         if high.get(key) != low.get(key):
             raise DistillError(
@@ -233,8 +248,6 @@ def inspect_teacher(
                     ],
                     stage=Stage.TEACHER_LOAD,
                 )
-    scheduler = _read_json(path / "scheduler" / "scheduler_config.json")
-    vae = _read_json(path / "vae" / "config.json")
     temporal = vae.get("scale_factor_temporal") or 2 ** sum(
         bool(d) for d in vae.get("temperal_downsample", [])
     )

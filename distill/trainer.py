@@ -7,6 +7,7 @@ method trains, e.g. the dmd critic), and hands them to `distill.loop.TrainingLoo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ from distill.loop import RunResult, TrainingLoop
 from distill.methods import method_class
 from distill.monitor import SampleMonitor, SampleSettings
 from distill.original_layout import check_original_exportable
+from distill.output_dir import hold_output_dir, writable_folder
 from distill.plan import choose_placement, memory_plan
 from distill.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
 from distill.student import (
@@ -76,23 +78,6 @@ def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[s
             SizeLimits.of("student", student_config, cfg.student_config),
         ],
     )
-
-
-def prepare_output_dir(cfg: TrainConfig) -> Path:
-    out = Path(cfg.output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{id(cfg)}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise DistillError(
-            f"--output_dir {out} is not writable",
-            f"{type(exc).__name__}: {exc}",
-            fixes=["choose a folder you can write to, on a disk with room for checkpoints"],
-            stage=Stage.CONFIG,
-        ) from None
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,11 +412,15 @@ class Distiller:
 
     # -- training --------------------------------------------------------------------------
     def run(self) -> RunResult:
+        out = writable_folder(self.cfg.output_dir, "--output_dir")
+        # Rank 0 holds the folder (the other ranks belong to the same run); released however run() ends.
+        with hold_output_dir(out) if self.is_main else contextlib.nullcontext():
+            return self._run(out)
+
+    def _run(self, out: Path) -> RunResult:
         cfg = self.cfg
         self.check_output_dir()
-        out = prepare_output_dir(cfg)
         if self.is_main:
-            save_resolved_config(cfg, out / "run_config.json")
             logger.info("plan:\n%s", self.plan())
         result = RunResult(output_dir=out)
         embeddings, latents, negative, teacher = self.prepare_caches(result)
@@ -442,7 +431,24 @@ class Distiller:
         extra = {name: self.make_model(name) for name in self.model_specs if name != "student"}
         loop = TrainingLoop(cfg, self, student, teacher, dataset, negative, out, extra)
         result.resumed_from = loop.maybe_resume()
+        if self.is_main:  # only once the run is known to go ahead: a refused resume keeps the old one
+            save_resolved_config(cfg, out / "run_config.json")
         loop.train(result)
+        if result.history and result.last_loss is None and result.stopped_by_signal is None:
+            raise DistillError(
+                f"every step of this run was skipped: {result.bad_steps} step(s) with a non-finite loss or gradient",
+                "Nothing was learned, so nothing is exported; the checkpoints written before are kept.",
+                causes=[
+                    "learning rate too high",
+                    "fp16 overflow",
+                    "non-finite teacher outputs or cached latents",
+                ],
+                fixes=[
+                    "lower --lr (or use --mixed_precision bf16), then rerun with --resume auto",
+                    "--max_bad_steps N stops such a run after N skipped steps in a row",
+                ],
+                stage=Stage.TRAINING,
+            )
         if result.stopped_by_signal is None:
             result.student_dir, result.ema_dir = loop.export()
         # No rank leaves before rank 0 has finished writing: under torchrun the first rank to exit

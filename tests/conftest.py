@@ -72,6 +72,8 @@ def train_args(teacher: Path, output_dir: Path, cache_dir: Path, **overrides: ob
         "device": "cpu",
         "backend": "gloo",
     }
+    if overrides.get("method") == "dmd":  # dmd refuses a random start: begin from the teacher's blocks
+        settings["student_init"] = "teacher"
     settings.update(overrides)
     args: list[str] = []
     for key, value in settings.items():

@@ -252,9 +252,15 @@ def _no_vocabulary(folder: Path) -> None:
     (folder / "tokenizer/tokenizer.json").unlink()
 
 
+def _truncated_weights(folder: Path) -> None:
+    (weights,) = (folder / "transformer").glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-1000])
+
+
 @pytest.mark.parametrize(
     ("damage", "expected"),
     [
+        (_truncated_weights, "it was cut short"),
         (_drop_folder, "missing transformer_2/"),
         (_drop_vae_config, "vae/config.json is missing"),
         (_no_boundary_ratio, "names no boundary_ratio"),
@@ -327,3 +333,12 @@ def test_cli_tiny_in_a_fresh_process_is_byte_identical(tiny_teacher: Path, tmp_p
         if path.is_file():
             copy = tmp_path / "t" / path.relative_to(tiny_teacher)
             assert copy.read_bytes() == path.read_bytes(), path
+
+
+@pytest.mark.parametrize("flag", ["--tiny", "--toy"])
+def test_an_unwritable_output_folder_is_refused_before_any_work(
+    capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    code, _out, err = run_main(capsys, flag, "/proc/nope/teacher")
+    assert code == 3 and f"ERROR (config): {flag} /proc/nope/teacher is not writable" in err
+    assert "Traceback" not in err

@@ -21,7 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from distill import diagnose, distributed, errors, watchdog  # noqa: E402
+from distill import diagnose, distributed, errors, watchdog, workers  # noqa: E402
 from distill.config import parse_config  # noqa: E402
 from distill.errors import DistillError, Progress, Stage, format_banner  # noqa: E402
 from distill.launch_check import launch_error  # noqa: E402
@@ -104,8 +104,9 @@ def _dataloader_worker() -> DistillError:
                      "--output_dir", "outputs/run1", "--num_workers", "4"]  # fmt: skip
     Progress.enter(Stage.TRAINING, 311)
     diagnose.shared_memory_picture = lambda: "/dev/shm: 0.00 GiB free of 0.06 GiB"  # docker's default
-    return diagnose.failure_report(
-        RuntimeError("DataLoader worker (pid 48113) is killed by signal: Bus error. ")
+    # What the report says when it finds the worker dead (here of SIGBUS) behind a broken hand-over.
+    return diagnose.dataloader_worker_error(
+        ConnectionResetError(104, "Connection reset by peer"), dead=[workers.DeadWorker(48113, -7)]
     )
 
 
@@ -213,3 +214,13 @@ if __name__ == "__main__":
     if "--write" in sys.argv:
         write()
         print(f"refreshed {DOC}")
+
+
+def test_the_exit_code_table_matches_the_code() -> None:
+    from train_distillation import EXIT_PREEMPTED
+
+    section = DOC.read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\|\s*(\d+)\s*\|\s*([a-z ]+?)\s*\|", section, flags=re.M))
+    expected = {str(int(stage)): stage.name.lower().replace("_", " ") for stage in Stage}
+    expected.update({"0": "finished", str(EXIT_PREEMPTED): "preempted"})
+    assert rows == expected

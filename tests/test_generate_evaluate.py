@@ -192,3 +192,14 @@ def test_demo_pictures_for_the_readme_can_be_made(trained, teacher, tmp_path):
     for picture in pictures:
         assert imageio.imread(picture).ndim == 3
         assert picture.stat().st_size < 200_000  # small enough to commit
+
+
+def test_an_unwritable_output_is_refused_before_anything_renders(trained, tiny_teacher, capsys):
+    common = ["--student", str(trained.student_dir), "--teacher_path", str(tiny_teacher)]
+    assert generate.main([*common, "--prompt", "a", "--output", "/proc/nope/g.png"]) == 3
+    err = capsys.readouterr().err
+    assert "--output /proc/nope is not writable" in err and "Traceback" not in err
+    prompts = str(REPO / "data" / "sample_prompts.txt")
+    assert evaluate.main([*common, "--prompts", prompts, "--output_dir", "/proc/nope/eval"]) == 3
+    err = capsys.readouterr().err
+    assert "--output_dir /proc/nope/eval is not writable" in err and "Traceback" not in err

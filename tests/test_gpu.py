@@ -74,6 +74,26 @@ def test_training_on_cuda_in_bf16_with_checkpointing_and_resume(tiny_teacher, tm
     assert resumed.ema_dir is not None and (resumed.ema_dir / "config.json").is_file()
 
 
+def test_two_dmd_steps_on_cuda_in_bf16_train_the_generator_and_the_critic(tiny_teacher, tmp_path):
+    args = train_args(
+        tiny_teacher,
+        tmp_path / "dmd",
+        tmp_path / "cache",
+        method="dmd",
+        device="cuda",
+        teacher_dtype="bfloat16",
+        mixed_precision="bf16",
+        height=32,
+        width=32,
+        num_steps=2,
+        critic_updates=2,  # step 1: generator and critic; step 2: the critic alone
+    )
+    result = Distiller(parse_config(args)).run()
+    assert result.steps == 2 and result.bad_steps == 0
+    assert result.history[0]["loss"] is not None and result.history[-1]["critic_loss"] is not None
+    assert (result.student_dir / "scheduler_config.json").is_file()
+
+
 def test_local_rank_beyond_the_visible_gpus_is_explained(tiny_teacher, tmp_path):
     count = torch.cuda.device_count()
     env = {

@@ -95,16 +95,7 @@ def test_sigterm_saves_at_current_step_and_the_rerun_ends_bitwise_equal(tiny_tea
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sigterm_on_one_rank_stops_every_rank_with_one_checkpoint(tiny_teacher, shared_cache, tmp_path):
-    out = tmp_path / "ddp"
-    proc = run_process(
-        train_args(tiny_teacher, out, shared_cache, num_steps=8, batch_size=1), fault="sigterm:3@1", nproc=2
-    )
-    assert "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]
-    assert checkpoints(out) == ["step_00000003"]
-    resumed = run_process(train_args(tiny_teacher, out, shared_cache, num_steps=8, batch_size=1), nproc=2)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert checkpoints(out)[-1] == "step_00000008"
+# SIGTERM on one of two ranks: tests/test_stress.py (sigterm_one_rank, three times, with its resume).
 
 
 def test_kill9_of_one_worker_then_resume_auto_finishes(tiny_teacher, shared_cache, tmp_path):

@@ -55,6 +55,7 @@ def dmd_run(toy_teacher, tmp_path_factory):
         num_steps=200,
         lr=3e-5,
         critic_lr=3e-4,
+        lr_scheduler="cosine",  # as measured (dmd's own default is constant)
         critic_updates=5,
         student_steps=STUDENT_STEPS,
         log_every=50,

@@ -88,6 +88,21 @@ class UpdateLoss:
     high_noise: torch.Tensor  # (B,) bool
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def off_device(self, device: torch.device) -> list[str]:
+        """The fields not on `device`, each as 'name (its device)'.
+
+        The loop combines them with each other on the training device; a (B,) tensor left on the
+        CPU passes every CPU run and fails the first CUDA step ("Expected all tensors to be on the
+        same device"), so the loop checks this on every device, CPU included.
+        """
+        tensors = {"losses": self.losses, "high_noise": self.high_noise, **self.extras}
+        return [
+            f"{name} ({tensor.device})"
+            for name, tensor in tensors.items()
+            if tensor.device.type != device.type
+            or (device.index is not None and tensor.device.index != device.index)
+        ]
+
 
 class Method:
     """Base of a distillation method. Subclasses set `name` and implement `loss`."""

@@ -140,7 +140,7 @@ class DmdMethod(Method):
 
     def __init__(self, cfg: TrainConfig, env: MethodEnv, models: dict[str, torch.nn.Module]) -> None:
         super().__init__(cfg, env, models)
-        self.scheduler = few_step_scheduler(cfg.student_shift)
+        self.scheduler = few_step_scheduler(cfg.student_shift, cfg.student_shift_terminal)
         self.timesteps, self.sigmas = student_grid(self.scheduler, cfg.student_steps)
         check_grid(self.timesteps, env.teacher.boundary_ratio, cfg.student_shift)
         self.trend = CriticLossTrend()
@@ -276,9 +276,9 @@ class DmdMethod(Method):
             reg = per_sample_mse(first, target)
             losses = losses + cfg.regression_weight * reg
             extras["regression_loss"] = reg.detach()
-        return UpdateLoss(
-            losses, high_noise_mask(sigmas_to_timesteps(sigmas), env.teacher.boundary_ratio), extras
-        )
+        # The sigmas are float64 on the CPU (see score_sigmas); the mask joins the losses on the device.
+        high_noise = high_noise_mask(sigmas_to_timesteps(sigmas), env.teacher.boundary_ratio)
+        return UpdateLoss(losses, high_noise.to(env.device), extras)
 
     # -- reporting and state -------------------------------------------------------------------
     def finish_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -295,6 +295,7 @@ class DmdMethod(Method):
         return {
             "student_steps": cfg.student_steps,
             "student_shift": cfg.student_shift,
+            **({"student_shift_terminal": cfg.student_shift_terminal} if cfg.student_shift_terminal else {}),
             "critic_config": cfg.critic_config,
         }
 
@@ -316,7 +317,7 @@ class DmdMethod(Method):
             "scheduler": {"_class_name": type(self.scheduler).__name__, **dict(self.scheduler.config)},
             "scheduler_note": (
                 f"{steps} steps of FlowMatchEulerDiscreteScheduler(shift={self.cfg.student_shift}, "
-                f"stochastic_sampling=True) at timesteps {[round(float(t)) for t in self.timesteps]}: "
+                f"shift_terminal={self.cfg.student_shift_terminal}, stochastic_sampling=True) at timesteps {[round(float(t)) for t in self.timesteps]}: "
                 "the exact rollout the student was trained on; it re-noises from the global torch RNG, "
                 "so call torch.manual_seed(seed) first for a reproducible sample"
             ),
