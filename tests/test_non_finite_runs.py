@@ -61,6 +61,9 @@ def test_ctrl_c_while_the_teacher_samples_keeps_the_finished_entries_and_exits_7
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
+        # A shell's background job (CI, nohup) starts with SIGINT ignored, and Python then installs
+        # no KeyboardInterrupt handler: give the child the terminal's default, as a user's run has.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     seen = []
     for line in proc.stderr:
