@@ -134,12 +134,12 @@ def run(argv: list[str]) -> int:
         result = distiller.run()
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops at a step boundary itself)
         from distill import workers
+        from distill.errors import current_rank
 
         workers.silence_worker_signals()
-        where = Progress.where()
-        prefix = f"[Rank {os.environ['RANK']}] " if os.environ.get("RANK") is not None else ""
+        rank = current_rank()
         print(
-            f"{prefix}interrupted during {where}: what was finished is kept (cache entries, checkpoints); "
+            f"{f'[Rank {rank}] ' if rank is not None else ''}interrupted during {Progress.where()}: what was finished is kept (cache entries, checkpoints); "
             "rerun the same command to continue.",
             file=sys.stderr,
             flush=True,
