@@ -35,14 +35,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from distill.errors import DistillError, Stage, report
-from distill.layout import (
+from distill.models.layout import (
     DIFFUSERS_COMPONENTS,
     ORIGINAL_COMPONENTS,
     missing_components,
     present_entries,
     safetensors_problem,
 )
+from distill.ops.errors import DistillError, Stage, report
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Preset:
     repo_id: str
     """The Hugging Face Hub repository."""
     required: tuple[str, ...]
-    """The entries that must be present after the download (see distill.layout)."""
+    """The entries that must be present after the download (see distill.models.layout)."""
     role: str
     """What the download is for, shown to the user."""
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_output_folder(args: argparse.Namespace) -> None:
     """The folder this command will write, proven writable before it downloads or builds anything."""
-    from distill.output_dir import writable_folder
+    from distill.ops.output_dir import writable_folder
 
     for flag, value in (
         ("--toy", args.toy),
@@ -487,7 +487,7 @@ def _problem_details(folder: Path, problems: list[str]) -> str:
 def write_tiny(out_dir: Path, seed: int, overwrite: bool, layout: str = "diffusers") -> int:
     """Write the tiny random teacher (diffusers or original layout) and say what it holds."""
     # imports torch and diffusers
-    from distill.tiny import (
+    from distill.models.tiny import (
         ORIGINAL_LAYOUT_SHAPE,
         TinyTeacherShape,
         write_tiny_original_teacher,
@@ -561,7 +561,7 @@ def write_toy(out_dir: Path, seed: int | None, overwrite: bool) -> int:
 
 def convert(src: Path, dst: Path) -> int:
     """Write the diffusers layout of an ORIGINAL Wan 2.2 folder, then check it like --verify."""
-    from distill.original_layout import convert_original  # imports torch and diffusers lazily
+    from distill.models.original.convert import convert_original  # imports torch and diffusers lazily
 
     convert_original(src, dst)
     return verify(dst)

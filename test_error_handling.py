@@ -34,7 +34,7 @@ TIMEOUT = 180
 @functools.cache
 def workdir() -> Path:
     """A scratch folder with a tiny teacher, built once per process."""
-    from distill.tiny import write_tiny_teacher
+    from distill.models.tiny import write_tiny_teacher
 
     root = Path(tempfile.mkdtemp(prefix="distill-errors-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)

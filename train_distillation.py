@@ -26,8 +26,8 @@ def debug_requested(argv: list[str]) -> bool:
     """--debug_distributed (on the command line or in --config) or DISTILL_DEBUG=1."""
     if os.environ.get("DISTILL_DEBUG") == "1":
         return True
-    from distill.config import parse_config  # no torch: this runs before torch is imported
-    from distill.errors import DistillError
+    from distill.config.cli import parse_config  # no torch: this runs before torch is imported
+    from distill.ops.errors import DistillError
 
     try:
         return parse_config(argv).debug_distributed
@@ -76,9 +76,9 @@ def setup_logging(rank: int) -> None:
 
 def report_failure(error: BaseException) -> int:
     """The banner and exit code for the exception that ended the run, whatever happens meanwhile."""
-    from distill import workers  # set torch's SIGCHLD handler aside since the loader started
-    from distill.diagnose import failure_report, unexpected_error
-    from distill.errors import report
+    from distill.ops import workers  # set torch's SIGCHLD handler aside since the loader started
+    from distill.ops.errors import report
+    from distill.train.diagnose import failure_report, unexpected_error
 
     workers.silence_worker_signals()  # in case a loader outside the training loop had workers
     try:
@@ -89,8 +89,8 @@ def report_failure(error: BaseException) -> int:
 
 def teardown() -> None:
     """Stop what the run started; a failure here is one line and never replaces the run's outcome."""
-    from distill import distributed, watchdog, workers
-    from distill.errors import quietly
+    from distill.ops import distributed, watchdog, workers
+    from distill.ops.errors import quietly
 
     quietly("stopping the DataLoader workers", workers.shutdown)
     quietly("stopping the stall watchdog", watchdog.stop)
@@ -98,9 +98,9 @@ def teardown() -> None:
 
 
 def run(argv: list[str]) -> int:
-    from distill import distributed, watchdog
-    from distill.config import parse_config
-    from distill.errors import DistillError, Progress, Stage
+    from distill.config.cli import parse_config
+    from distill.ops import distributed, watchdog
+    from distill.ops.errors import DistillError, Progress, Stage
 
     Progress.argv = argv
     Progress.enter(Stage.ARGV)
@@ -120,7 +120,7 @@ def run(argv: list[str]) -> int:
         debug = cfg.debug_distributed or os.environ.get("DISTILL_DEBUG") == "1"
         ctx = distributed.setup(cfg.backend, cfg.device, cfg.dist_timeout, debug)
         watchdog.start(cfg.stall_timeout)
-        from distill.trainer import Distiller
+        from distill.train.trainer import Distiller
 
         Progress.enter(Stage.TEACHER_LOAD)
         distiller = Distiller(cfg, ctx)
@@ -133,8 +133,8 @@ def run(argv: list[str]) -> int:
             return 0
         result = distiller.run()
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops at a step boundary itself)
-        from distill import workers
-        from distill.errors import current_rank
+        from distill.ops import workers
+        from distill.ops.errors import current_rank
 
         workers.silence_worker_signals()
         rank = current_rank()

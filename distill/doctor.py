@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from distill import distributed
-from distill.config import finite_float
-from distill.errors import DistillError
+from distill.config.settings import finite_float
+from distill.ops import distributed
+from distill.ops.errors import DistillError
 
 
 def _check(name: str, fn: Callable[[], str], results: list[tuple[str, bool, str]]) -> None:
@@ -58,7 +58,7 @@ def _collective(ctx: distributed.DistContext) -> str:
 
 
 def _teacher(path: str) -> str:
-    from distill.teacher import inspect_teacher
+    from distill.models.teacher import inspect_teacher
 
     info = inspect_teacher(path)
     return f"{info.path}: diffusers layout complete, boundary_ratio {info.boundary_ratio}"

@@ -17,7 +17,7 @@ changes the output). A size the model cannot handle is refused before anything l
 the same noise as `WanPipeline(..., generator=torch.Generator("cpu").manual_seed(seed + i))`.
 A few-step (dmd) student samples with its run's K-step scheduler (in run_settings.json), K steps,
 guidance 1; that scheduler re-noises from the global RNG, so prompt i is what the stock pipeline
-gives after `torch.manual_seed(seed + i)` with no generator (= distill.few_step.sample_few_step).
+gives after `torch.manual_seed(seed + i)` with no generator (= distill.models.few_step.sample_few_step).
 
 One prompt: --output is the file (.png for 1 frame, .mp4 otherwise; the suffix is added when
 missing). Several prompts (--prompts_file, or --prompt given more than once) or an existing
@@ -35,142 +35,38 @@ from typing import Any
 
 import torch
 
-from distill.config import finite_float
-from distill.errors import DistillError, Stage, report
-from distill.output_dir import writable_folder
-from distill.run_settings import (
+from distill.config.settings import finite_float
+from distill.models.pipelines import (
+    check_sample_size,
+    load_scheduler,
+    load_text_components,
+    load_vae,
+    scheduler_from_config,
+    student_pipeline,
+    teacher_pipeline,
+)
+from distill.models.teacher import TeacherInfo, resolve_dtype
+from distill.ops.errors import DistillError, Stage, report
+from distill.ops.output_dir import writable_folder
+from distill.sample.media import media_suffix, write_frames
+from distill.sample.run_settings import (
     RunSettings,
     fill_left_out_flags,
     find_run_settings,
     warn_without_run_settings,
 )
-from distill.sampling import (
-    SizeLimits,
-    check_sample_size,
-    load_scheduler,
-    load_text_components,
-    load_vae,
-    media_suffix,
-    scheduler_from_config,
-    student_pipeline,
-    teacher_pipeline,
-    write_frames,
+from distill.sample.student_folder import (
+    FALLBACK,
+    TEACHER_GUIDANCE,
+    load_student,
+    pick_device,
+    require_student_folder,
+    student_limits,
+    teacher_limits,
+    trained_size_fix,
 )
-from distill.teacher import TeacherInfo, resolve_dtype
 
 logger = logging.getLogger(__name__)
-
-# Used only when the student's run left no run_settings.json (an older export) or for the teacher
-# alone: WanPipeline's resolution, and this project's usual step count and guidance.
-FALLBACK = {"height": 480, "width": 832, "num_frames": 1, "steps": 30, "max_sequence_length": 512}
-TEACHER_GUIDANCE = (4.0, 3.0)
-
-
-def pick_device(name: str) -> torch.device:
-    """auto = the GPU when torch sees one, else the CPU; asking for CUDA without one is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise DistillError(
-            f"--device {name}: unknown device", fixes=["use auto, cpu, cuda or cuda:N"], stage=Stage.ARGV
-        )
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise DistillError(
-            f"--device {name} asked for CUDA, but torch sees no GPU",
-            f"torch {torch.__version__}, CUDA build: {torch.version.cuda}",
-            fixes=["use --device auto (or cpu)"],
-            stage=Stage.SETUP,
-        )
-    return torch.device(name)
-
-
-def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dtype: torch.dtype) -> Any:
-    """The exported student, checked against the teacher's latent and text spaces."""
-    from diffusers import WanTransformer3DModel
-
-    from distill.student import TEACHER_EQUAL_KEYS
-
-    folder = require_student_folder(folder)
-    try:
-        student = WanTransformer3DModel.from_pretrained(folder, torch_dtype=dtype)
-    except Exception as exc:
-        raise DistillError(
-            f"cannot load the student from {folder}",
-            f"{type(exc).__name__}: {exc}",
-            causes=["a truncated or foreign weight file"],
-            fixes=["export the student again (a finished training run writes it)"],
-            stage=Stage.SETUP,
-        ) from None
-    mismatched = [
-        f"{key}: student {student.config.get(key)}, teacher {info.expert_config.get(key)}"
-        for key in TEACHER_EQUAL_KEYS
-        if list(_as_list(student.config.get(key))) != list(_as_list(info.expert_config.get(key)))
-    ]
-    if mismatched:
-        raise DistillError(
-            "the student does not fit this teacher",
-            "; ".join(mismatched),
-            fixes=["pass the teacher the student was distilled from"],
-            stage=Stage.CONFIG,
-        )
-    return student.requires_grad_(False).eval().to(device)
-
-
-def require_student_folder(folder: str | Path, teacher_only: bool = True) -> Path:
-    """`folder` if it holds an exported student (a config.json), else a report saying what it holds.
-
-    `teacher_only`: whether the command has --teacher_only to offer as a way out.
-    """
-    folder = Path(folder)
-    if (folder / "config.json").is_file():
-        return folder
-    if folder.is_dir():
-        found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
-        details = f"{folder} has no config.json; it holds: {found}"
-    else:
-        details = f"{folder} does not exist"
-    raise DistillError(
-        f"student folder not found: {folder}",
-        details,
-        causes=["training has not finished (the student is exported at the end)", "a typo in --student"],
-        fixes=[
-            "pass the student/ (or student_ema/) folder that train_distillation.py wrote into --output_dir",
-            *(["or render the teacher alone with --teacher_only"] if teacher_only else []),
-        ],
-        stage=Stage.CONFIG,
-    )
-
-
-def student_limits(folder: str | Path) -> SizeLimits:
-    """The student's size limits, from its config.json alone (nothing is loaded)."""
-    import json
-
-    config_file = require_student_folder(folder) / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise DistillError(
-            f"cannot read {config_file}",
-            f"{type(exc).__name__}: {exc}",
-            fixes=["export the student again (a finished training run writes it)"],
-            stage=Stage.CONFIG,
-        ) from None
-    return SizeLimits.of("student", config, config_file)
-
-
-def teacher_limits(info: TeacherInfo) -> SizeLimits:
-    return SizeLimits.of("teacher", info.expert_config, info.path / "transformer" / "config.json")
-
-
-def trained_size_fix(found: tuple[RunSettings, Path] | None) -> list[str]:
-    """The first fix of a size error: the size the student was trained at, when the run says so."""
-    if found is None:
-        return []
-    settings, path = found
-    return [
-        f"sample at the size it was trained at: --height {settings.height} --width {settings.width} "
-        f"--num_frames {settings.num_frames}, or leave the size flags out (they default to {path})"
-    ]
 
 
 def describe(args: argparse.Namespace, who: str, source: str) -> str:
@@ -217,10 +113,6 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
     return found
 
 
-def _as_list(value: Any) -> Sequence[Any]:
-    return value if isinstance(value, list | tuple) else [value]
-
-
 def output_paths(output: str | Path, count: int, num_frames: int) -> list[Path]:
     """Where each prompt's sample goes (see the module docstring)."""
     output = Path(output)
@@ -244,7 +136,7 @@ def output_paths(output: str | Path, count: int, num_frames: int) -> list[Path]:
 
 
 def collect_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> list[str]:
-    from distill.data import read_prompts
+    from distill.data.prompts import read_prompts
 
     collected = list(prompts or [])
     if prompts_file:
@@ -273,7 +165,7 @@ def build_pipeline(
 
     The student samples with its run's own scheduler when the run recorded one, else the teacher's.
     """
-    from distill.teacher import load_expert
+    from distill.models.teacher import load_expert
 
     if not args.teacher_only:
         student = load_student(args.student, info, device, dtype)  # first: a bad --student fails fast
@@ -311,7 +203,7 @@ def check_counts(args: argparse.Namespace) -> None:
 
 def generate(args: argparse.Namespace) -> list[Path]:
     """Render every prompt and write it; returns the written files."""
-    from distill.teacher import inspect_teacher
+    from distill.models.teacher import inspect_teacher
 
     if not args.teacher_only and not args.student:
         raise DistillError(
@@ -361,7 +253,7 @@ def render(pipe: Any, args: argparse.Namespace, prompt: str, seed: int, output_t
     if getattr(pipe.scheduler.config, "stochastic_sampling", False):
         # A few-step student's scheduler re-noises at every step from the global RNG (WanPipeline
         # gives scheduler.step no generator): seed that, and draw the start from the same stream,
-        # as distill.few_step.sample_few_step(..., seed) does. A CPU generator for the start would
+        # as distill.models.few_step.sample_few_step(..., seed) does. A CPU generator for the start would
         # repeat its draw as the first re-noising.
         torch.manual_seed(seed)
         generator = None

@@ -8,7 +8,7 @@ A failure path that is right nine times in ten is wrong for somebody every day, 
 changes between runs: a rank starved of CPU, a worker that dies a moment earlier or later. Each
 run here starts the trainer as a user would (plain python, or the real torchrun with two CPU
 processes on gloo) on a tiny random Wan 2.2 teacher, injects one failure (DISTILL_INJECT_FAULT,
-see distill/faults.py), then checks the exit code and the banner of every rank, and that the same
+see distill/ops/faults.py), then checks the exit code and the banner of every rank, and that the same
 command with `--resume auto` finishes from what the failure left in the checkpoint folder. With a
 CPU hog, busy processes take every core while the run goes on, as on a shared node.
 
@@ -50,7 +50,7 @@ class Outcome:
         return [int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", self.stderr)]
 
     def checkpoints(self) -> list[str]:
-        from distill.checkpoint import checkpoint_root, complete_checkpoints
+        from distill.train.checkpoint import checkpoint_root, complete_checkpoints
 
         return [path.name for path in complete_checkpoints(checkpoint_root(self.output_dir))]
 
@@ -237,7 +237,7 @@ def resume_problems(nproc: int, flags: dict[str, str], output_dir: Path) -> list
 
 def prepare(workdir: Path) -> Path:
     """The tiny teacher and a warm prompt-embedding / latent cache, shared by every run."""
-    from distill.tiny import write_tiny_teacher
+    from distill.models.tiny import write_tiny_teacher
 
     if not (workdir / "teacher").exists():
         write_tiny_teacher(workdir / "teacher", seed=0)
@@ -265,7 +265,7 @@ def kill_during_checkpoint(workdir: Path, index: int, seed: int | None = None) -
     The moment is drawn over the stretch in which the run saves, so most kills land inside a save
     (its tensors, its state, its COMPLETE marker or the rename into place).
     """
-    from distill.checkpoint import checkpoint_root, complete_checkpoints, load_checkpoint
+    from distill.train.checkpoint import checkpoint_root, complete_checkpoints, load_checkpoint
 
     rng = random.Random(seed if seed is not None else index)
     output_dir = workdir / f"{CHECKPOINT_KILL}-{index}"

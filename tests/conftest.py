@@ -27,7 +27,7 @@ def tiny_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     Shared by many tests: copy it (shutil.copytree) before changing anything in it.
     """
-    from distill.tiny import write_tiny_teacher  # imports torch and diffusers
+    from distill.models.tiny import write_tiny_teacher  # imports torch and diffusers
 
     return write_tiny_teacher(tmp_path_factory.mktemp("tiny_teacher") / "teacher", seed=0)
 
@@ -89,8 +89,8 @@ def load_teacher_parts(teacher: Path, prompts: list[str]) -> tuple:
     float32; the embeddings cover `prompts` and the empty negative prompt."""
     import torch
 
-    from distill.sampling import encode_prompts
-    from distill.teacher import inspect_teacher, load_expert
+    from distill.models.pipelines import encode_prompts
+    from distill.models.teacher import inspect_teacher, load_expert
 
     info = inspect_teacher(str(teacher))
     embeddings = encode_prompts(info.path, [*prompts, ""], 512, torch.device("cpu"), torch.float32)

@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from distill import distributed
-from distill.teacher import GuidedTeacher, inspect_teacher, load_expert, place_expert
+from distill.models.teacher import GuidedTeacher, inspect_teacher, load_expert, place_expert
+from distill.ops import distributed
 
 
 def main(teacher_dir: str) -> int:

@@ -8,7 +8,7 @@ import shutil
 from conftest import REPO, train_args
 
 from distill import evaluate, generate
-from distill.tiny import write_tiny_teacher
+from distill.models.tiny import write_tiny_teacher
 from train_distillation import main
 
 

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from distill import bench
+from distill.bench import cli, measures, setup
+from distill.bench.settings import SMALL_EXPERT, BenchSettings
 
 
 def _positive_summary(summary: dict, keys=("median", "p10", "p90")) -> None:
@@ -18,7 +19,7 @@ def _positive_summary(summary: dict, keys=("median", "p10", "p90")) -> None:
     assert summary[keys[1]] <= summary[keys[0]] <= summary[keys[2]], summary
 
 
-def check_result(result: dict, settings: bench.BenchSettings) -> None:
+def check_result(result: dict, settings: BenchSettings) -> None:
     assert result["preset"] == settings.preset
     assert result["settings"]["batch_size"] == settings.batch_size
     assert {"device", "device_name", "torch", "diffusers", "threads"} <= set(result["environment"])
@@ -84,8 +85,8 @@ def check_result(result: dict, settings: bench.BenchSettings) -> None:
 
 def test_cpu_tiny_bench_writes_every_field(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    result = bench.main(["--preset", "cpu-tiny", "--steps", "4", "--warmup", "1", "--json", str(out)])
-    settings, _ = bench.parse_args(["--preset", "cpu-tiny", "--steps", "4", "--warmup", "1"])
+    result = cli.main(["--preset", "cpu-tiny", "--steps", "4", "--warmup", "1", "--json", str(out)])
+    settings, _ = cli.parse_args(["--preset", "cpu-tiny", "--steps", "4", "--warmup", "1"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     check_result(result, settings)
     assert result["memory"]["cuda_max_allocated_bytes"] is None
@@ -96,7 +97,7 @@ def test_cpu_tiny_bench_writes_every_field(tmp_path, capsys):
 
 
 def test_presets_and_overrides_parse():
-    settings, path = bench.parse_args(
+    settings, path = cli.parse_args(
         [
             "--preset",
             "gpu-1.3b",
@@ -110,7 +111,7 @@ def test_presets_and_overrides_parse():
     )
     assert (settings.device, settings.dtype, settings.teacher_layers) == ("cuda", "bfloat16", 2)
     assert settings.teacher_on_cpu and not settings.compile and str(path) == "x.json"
-    assert bench.parse_args(["--preset", "cpu-small"])[0].teacher == bench.SMALL_EXPERT
+    assert cli.parse_args(["--preset", "cpu-small"])[0].teacher == SMALL_EXPERT
 
 
 def test_analytic_flops_match_the_flop_counter_on_everything_but_attention():
@@ -118,10 +119,16 @@ def test_analytic_flops_match_the_flop_counter_on_everything_but_attention():
     from diffusers import WanTransformer3DModel
     from torch.utils.flop_counter import FlopCounterMode
 
-    config = {**bench.SMALL_EXPERT, "num_layers": 2, "num_attention_heads": 2, "ffn_dim": 96, "text_dim": 32}
+    config = {
+        **SMALL_EXPERT,
+        "num_layers": 2,
+        "num_attention_heads": 2,
+        "ffn_dim": 96,
+        "text_dim": 32,
+    }
     model = WanTransformer3DModel(**config)
-    batch, text_len, shape = 2, 7, bench.latent_shape(32, 48, 5)
-    tokens = bench.tokens_per_sample(config, shape)
+    batch, text_len, shape = 2, 7, setup.latent_shape(32, 48, 5)
+    tokens = setup.tokens_per_sample(config, shape)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(
             hidden_states=torch.randn(batch, *shape),
@@ -131,7 +138,7 @@ def test_analytic_flops_match_the_flop_counter_on_everything_but_attention():
         )
     dim = config["num_attention_heads"] * config["attention_head_dim"]
     attention = config["num_layers"] * (4 * tokens * tokens * dim + 4 * tokens * text_len * dim)
-    expected = batch * (bench.forward_flops(config, tokens, text_len) - attention)
+    expected = batch * (measures.forward_flops(config, tokens, text_len) - attention)
     assert counter.get_total_flops() == expected
 
 
@@ -139,11 +146,17 @@ def test_teacher_cast_matches_from_pretrained(tmp_path):
     """The in-memory teacher has the dtypes `load_expert` gives: bf16, with diffusers' float32 islands."""
     from diffusers import WanTransformer3DModel
 
-    config = {**bench.SMALL_EXPERT, "num_layers": 1, "num_attention_heads": 2, "ffn_dim": 32, "text_dim": 16}
+    config = {
+        **SMALL_EXPERT,
+        "num_layers": 1,
+        "num_attention_heads": 2,
+        "ffn_dim": 32,
+        "text_dim": 16,
+    }
     model = WanTransformer3DModel(**config)
     model.save_pretrained(tmp_path)
     loaded = WanTransformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
-    cast = bench.cast_as_loaded(model, torch.bfloat16)
+    cast = setup.cast_as_loaded(model, torch.bfloat16)
 
     def dtypes(m):
         return {name: t.dtype for name, t in [*m.named_parameters(), *m.named_buffers()]}
@@ -176,8 +189,8 @@ def test_gpu_preset_at_reduced_size(teacher_on_cpu):
     ]
     if teacher_on_cpu:
         argv.append("--teacher_on_cpu")
-    settings, _ = bench.parse_args(argv)
-    result = bench.main(argv)
+    settings, _ = cli.parse_args(argv)
+    result = cli.main(argv)
     check_result(result, settings)
     memory = result["memory"]
     assert memory["cuda_max_reserved_bytes"] >= memory["cuda_max_allocated_bytes"] >= memory["floor_bytes"]
@@ -204,8 +217,8 @@ def test_dmd_bench_times_a_whole_cycle_and_each_of_its_phases(capsys):
         "--critic_updates",
         "2",
     ]
-    settings, _ = bench.parse_args(argv)
-    result = bench.main(argv)
+    settings, _ = cli.parse_args(argv)
+    result = cli.main(argv)
     check_result(result, settings)
     assert result["method"] == "dmd" and result["train_steps_per_bench_step"] == 2
     floor = result["memory"]["floor"]

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from conftest import train_args
 
-from distill import checkpoint as ckpt
-from distill.config import parse_config
-from distill.errors import DistillError, Stage
-from distill.trainer import Distiller
+from distill.config.cli import parse_config
+from distill.ops.errors import DistillError, Stage
+from distill.ops.files import disk_is_full
+from distill.train import checkpoint as ckpt
+from distill.train.trainer import Distiller
 from train_distillation import main
 
 
@@ -72,7 +73,7 @@ def test_a_full_disk_is_recognised_when_torch_only_says_iostream_error(
 
 
 def test_a_failed_write_on_a_disk_with_room_is_not_called_full(tmp_path):
-    assert not ckpt.disk_is_full(RuntimeError("iostream error"), tmp_path)
+    assert not disk_is_full(RuntimeError("iostream error"), tmp_path)
 
 
 def test_force_resume_with_another_student_shape_is_refused_and_keeps_the_run_config(
@@ -102,8 +103,9 @@ def test_a_full_disk_at_export_is_named_and_leaves_no_staging_folder(tiny_teache
     from conftest import REPO
     from safetensors import SafetensorError
 
-    from distill.student import build_student, export_student, load_student_config
-    from distill.teacher import inspect_teacher
+    from distill.models.student import build_student, export_student
+    from distill.models.student_config import load_student_config
+    from distill.models.teacher import inspect_teacher
 
     config = load_student_config(
         REPO / "config" / "student_tiny.json", inspect_teacher(str(tiny_teacher)).expert_config

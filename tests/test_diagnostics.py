@@ -1,5 +1,5 @@
-"""Failures are recognised and explained with advice that fits the run (distill/diagnose.py,
-distill/watchdog.py, distill/distributed.py's setup messages)."""
+"""Failures are recognised and explained with advice that fits the run (distill/train/diagnose.py,
+distill/ops/watchdog.py, distill/ops/distributed.py's setup messages)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import pytest
 import torch
 from conftest import REPO, train_args
 
-from distill import distributed, watchdog
-from distill.config import parse_config
-from distill.diagnose import failure_report, out_of_memory_error
-from distill.errors import DistillError, Progress, Stage
+from distill.config.cli import parse_config
+from distill.ops import distributed, watchdog
+from distill.ops.errors import DistillError, Progress, Stage
+from distill.train.diagnose import failure_report
+from distill.train.oom import out_of_memory_error
 from train_distillation import main
 
 BASE = [
@@ -161,7 +162,7 @@ def test_ddp_unused_parameter_error_is_explained():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from distill.student import build_student
+    from distill.models.student import build_student
 
     config = {k: v for k, v in json.loads((REPO / "config" / "student_tiny.json").read_text()).items()}
     config = {k: v for k, v in config.items() if not k.startswith("_")}

@@ -16,14 +16,15 @@ from conftest import REPO, repo_pythonpath, train_args
 from safetensors.torch import load_file
 from test_distributed import assert_same_trajectory
 
-from distill.config import parse_config
-from distill.few_step import few_step_scheduler, sample_few_step, student_grid
-from distill.methods.base import BatchRandomness, MethodEnv
-from distill.methods.dmd import DmdMethod, dmd_gradient, dmd_loss, score_estimates, score_sigmas
-from distill.objective import apply_guidance
-from distill.student import build_student, load_student_config
-from distill.teacher import GuidedTeacher, inspect_teacher, load_expert
-from distill.trainer import Distiller
+from distill.config.cli import parse_config
+from distill.models.few_step import few_step_scheduler, sample_few_step, student_grid
+from distill.models.flow_matching import apply_guidance
+from distill.models.student import build_student
+from distill.models.student_config import load_student_config
+from distill.models.teacher import GuidedTeacher, inspect_teacher, load_expert
+from distill.train.methods.base import BatchRandomness, MethodEnv
+from distill.train.methods.dmd import DmdMethod, dmd_gradient, dmd_loss, score_estimates, score_sigmas
+from distill.train.trainer import Distiller
 
 LATENT = (16, 1, 4, 4)  # (C, F, H, W) of a 32x32 image on the tiny teacher
 
@@ -250,8 +251,8 @@ def test_dmd_two_processes_match_one_process(tiny_teacher, tmp_path):
 
 
 def test_dry_run_plan_adds_the_critic_and_says_which_placements_fit():
-    from distill.plan import estimate, memory_plan
-    from distill.teacher import TeacherInfo
+    from distill.models.teacher import TeacherInfo
+    from distill.train.plan import estimate, memory_plan
 
     a14b_expert = dict(
         patch_size=[1, 2, 2],

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from distill.config import parse_config
-from distill.errors import DistillError, Stage
+from distill.config.cli import parse_config
+from distill.ops.errors import DistillError, Stage
 from train_distillation import main
 
 
@@ -52,7 +52,7 @@ def test_dmd_from_a_random_start_is_refused_naming_the_flag_and_the_recipe(tiny_
 def test_a_terminal_shift_is_exported_so_that_stock_set_timesteps_reproduces_the_grid(tmp_path):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from distill.few_step import few_step_scheduler, student_grid
+    from distill.models.few_step import few_step_scheduler, student_grid
 
     few_step_scheduler(5.0, 0.25).save_pretrained(tmp_path)
     loaded = FlowMatchEulerDiscreteScheduler.from_pretrained(tmp_path)

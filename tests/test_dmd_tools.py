@@ -11,14 +11,16 @@ import torch
 from conftest import REPO, load_teacher_parts, train_args
 
 from distill import evaluate, generate
-from distill.config import parse_config
-from distill.errors import DistillError
-from distill.evaluate import EvalSettings, evaluate_student
-from distill.few_step import few_step_scheduler, sample_few_step, student_grid
-from distill.monitor import SampleMonitor, SampleSettings
-from distill.student import build_student, load_student_config
-from distill.teacher import inspect_teacher, load_expert
-from distill.trainer import Distiller
+from distill.config.cli import parse_config
+from distill.models.few_step import few_step_scheduler, sample_few_step, student_grid
+from distill.models.student import build_student
+from distill.models.student_config import load_student_config
+from distill.models.teacher import inspect_teacher, load_expert
+from distill.ops.errors import DistillError
+from distill.report.measures import EvalSettings
+from distill.report.monitor import SampleMonitor, SampleSettings
+from distill.report.summary import evaluate_student, flat_metrics
+from distill.train.trainer import Distiller
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red cube on a table", "a blue sphere in the rain"]
@@ -101,7 +103,7 @@ def test_samples_during_training_use_the_students_own_sampler(teacher, tmp_path,
     if method == "dmd":  # K stochastic flow-match steps at the exported grid
         assert log.calls == pytest.approx(K_GRID)
     else:  # velocity: unchanged, the teacher's scheduler at sample_steps
-        from distill.sampling import load_scheduler
+        from distill.models.pipelines import load_scheduler
 
         scheduler = load_scheduler(info.path)
         scheduler.set_timesteps(6)
@@ -109,7 +111,7 @@ def test_samples_during_training_use_the_students_own_sampler(teacher, tmp_path,
 
 
 def test_evaluate_samples_a_few_step_student_from_the_teachers_noise(teacher, tmp_path):
-    from distill.sampling import initial_noise
+    from distill.models.pipelines import initial_noise
 
     info, high, low, embeddings = teacher
     scheduler = few_step_scheduler(5.0)
@@ -127,7 +129,7 @@ def test_evaluate_samples_a_few_step_student_from_the_teachers_noise(teacher, tm
     ours = sample_few_step(
         student, few_step_scheduler(5.0), 4, embeddings[PROMPTS[0]][None], shape, 0, initial_noise(shape, 0)
     )[0]
-    from distill.sampling import load_scheduler, sample_latents, teacher_pipeline
+    from distill.models.pipelines import load_scheduler, sample_latents, teacher_pipeline
 
     pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path))
     teacher_latent = sample_latents(
@@ -137,7 +139,7 @@ def test_evaluate_samples_a_few_step_student_from_the_teachers_noise(teacher, tm
     assert result["sampler"]["latent_mse"] == pytest.approx(expected, rel=1e-5)
     assert result["cost"]["student"]["forwards_per_sample"] == 4
     assert result["cost"]["teacher_at_student_steps"]["steps"] == 4
-    assert set(evaluate.flat_metrics(result)) >= {
+    assert set(flat_metrics(result)) >= {
         "eval/teacher_at_student_steps_latent_mse",
         "eval/teacher_at_student_steps_frame_psnr_db",
     }
@@ -226,7 +228,7 @@ def test_a_non_finite_dmd_step_logs_null_for_both_models_and_keeps_the_last_loss
 
 
 def test_toy_scores_of_a_dmd_student_use_its_k_step_scheduler(toy_teacher, tmp_path):
-    from distill.toy.evaluation import add_toy_report
+    from distill.report.toy_report import add_toy_report
 
     info = inspect_teacher(str(toy_teacher))
     high, low = (load_expert(info, name, torch.float32) for name in ("transformer", "transformer_2"))

@@ -21,11 +21,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from distill import diagnose, distributed, errors, watchdog, workers  # noqa: E402
-from distill.config import parse_config  # noqa: E402
-from distill.errors import DistillError, Progress, Stage, format_banner  # noqa: E402
-from distill.launch_check import launch_error  # noqa: E402
-from distill.teacher import inspect_teacher  # noqa: E402
+from distill.config.cli import parse_config  # noqa: E402
+from distill.models.teacher import inspect_teacher  # noqa: E402
+from distill.ops import distributed, errors, watchdog, workers  # noqa: E402
+from distill.ops.errors import DistillError, Progress, Stage, format_banner  # noqa: E402
+from distill.ops.launch_check import launch_error  # noqa: E402
+from distill.train import diagnose  # noqa: E402
 
 DOC = REPO / "TORCHRUN_ERROR_FIXES.md"
 BLOCK = re.compile(r"<!-- example: (?P<name>[\w-]+) -->\n```text\n(?P<body>.*?)```\n<!-- /example -->", re.S)
@@ -144,7 +145,7 @@ def _nccl_timeout() -> DistillError:
 def _stalled() -> DistillError:
     location = (
         "/usr/lib/python3.11/site-packages/torch/autograd/graph.py:829 in _engine_run_backward\n"
-        "  called from /work/distill/loop.py:311 in micro_step"
+        "  called from /work/distill/train/loop.py:311 in micro_step"
     )
     return watchdog.stall_error(Stage.TRAINING, 3, 600.0, location)
 

@@ -16,14 +16,14 @@ from conftest import REPO, train_args
 from PIL import Image
 
 from distill import evaluate, generate
-from distill.config import parse_config
-from distill.errors import DistillError
-from distill.model_card import EXAMPLE_PROMPT, model_card_text, write_model_card
-from distill.monitor import DEFAULT_SAMPLE_PROMPTS
-from distill.run_settings import read_run_settings, teacher_hub_id
-from distill.sampling import write_pipeline_folder
-from distill.teacher import inspect_teacher
-from distill.trainer import Distiller
+from distill.config.cli import parse_config
+from distill.models.teacher import inspect_teacher
+from distill.ops.errors import DistillError
+from distill.report.monitor import DEFAULT_SAMPLE_PROMPTS
+from distill.sample.model_card import EXAMPLE_PROMPT, model_card_text, write_model_card
+from distill.sample.pipeline_folder import write_pipeline_folder
+from distill.sample.run_settings import read_run_settings, teacher_hub_id
+from distill.train.trainer import Distiller
 
 HEIGHT = WIDTH = 64
 MAX_SEQUENCE_LENGTH = 16  # not WanPipeline's 512: sampling with 512 gives another output
@@ -254,8 +254,8 @@ def test_teacher_hub_id_and_a_card_without_one(tmp_path, run):
 
 
 def test_a_student_distilled_without_guidance_says_so_and_dmd_warns_about_one_with(run, tmp_path, caplog):
-    from distill.methods.dmd import guided_stage_one
-    from distill.run_settings import write_run_settings
+    from distill.sample.run_settings import write_run_settings
+    from distill.train.methods.dmd import guided_stage_one
 
     guided = read_run_settings(run.output_dir / "run_settings.json")
     assert guided.teacher_guidance_scale > 1
@@ -283,6 +283,6 @@ def test_a_student_distilled_without_guidance_says_so_and_dmd_warns_about_one_wi
         max_sequence_length=MAX_SEQUENCE_LENGTH,
         num_steps=1,
     )
-    with caplog.at_level(logging.WARNING, logger="distill.methods.dmd"):
+    with caplog.at_level(logging.WARNING, logger="distill.train.methods.dmd"):
         Distiller(parse_config(args)).run()
     assert advice in caplog.text

@@ -12,12 +12,14 @@ import torch
 from conftest import REPO, load_teacher_parts, train_args
 
 from distill import evaluate, generate
-from distill.config import parse_config
-from distill.data import read_prompts
-from distill.evaluate import EvalSettings, evaluate_student
-from distill.monitor import DEFAULT_SAMPLE_PROMPTS, SampleMonitor, SampleSettings
-from distill.student import build_student, load_student_config
-from distill.trainer import Distiller
+from distill.config.cli import parse_config
+from distill.data.prompts import read_prompts
+from distill.models.student import build_student
+from distill.models.student_config import load_student_config
+from distill.report.measures import EvalSettings
+from distill.report.monitor import DEFAULT_SAMPLE_PROMPTS, SampleMonitor, SampleSettings
+from distill.report.summary import evaluate_student
+from distill.train.trainer import Distiller
 
 CPU = torch.device("cpu")
 PROMPTS = read_prompts(DEFAULT_SAMPLE_PROMPTS)  # held out: never trained on

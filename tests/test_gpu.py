@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import REPO, repo_pythonpath, train_args
 
-from distill.config import parse_config
-from distill.teacher import GuidedTeacher, inspect_teacher, load_expert, place_expert
-from distill.trainer import Distiller
+from distill.config.cli import parse_config
+from distill.models.teacher import GuidedTeacher, inspect_teacher, load_expert, place_expert
+from distill.train.trainer import Distiller
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,9 +14,9 @@ import torch
 from conftest import train_args
 from test_dmd import inputs, make_method
 
-from distill.config import parse_config
-from distill.methods.base import UpdateLoss
-from distill.methods.velocity import VelocityMethod
+from distill.config.cli import parse_config
+from distill.train.methods.base import UpdateLoss
+from distill.train.methods.velocity import VelocityMethod
 
 META = torch.device("meta")
 

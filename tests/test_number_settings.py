@@ -8,8 +8,9 @@ import typing
 import pytest
 from conftest import train_args
 
-from distill.config import TrainConfig, parse_config
-from distill.errors import DistillError, Stage
+from distill.config.cli import parse_config
+from distill.config.settings import TrainConfig
+from distill.ops.errors import DistillError, Stage
 from train_distillation import main
 
 
@@ -57,7 +58,7 @@ def test_num_frames_two_is_pointed_at_five_for_video(tiny_teacher, tmp_path):
     [
         ("generate", ["--student", "s", "--output", "o.png", "--guidance", "nan"]),
         ("evaluate", ["--student", "s", "--prompts", "p", "--output_dir", "o", "--guidance_scale", "inf"]),
-        ("bench", ["--peak_tflops", "nan"]),
+        ("bench.cli", ["--peak_tflops", "nan"]),
     ],
 )
 def test_the_tools_refuse_non_finite_numbers_naming_the_flag(module, argv, capsys):

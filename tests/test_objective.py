@@ -4,7 +4,7 @@ import numpy as np
 import torch
 from diffusers import UniPCMultistepScheduler
 
-from distill.objective import (
+from distill.models.flow_matching import (
     add_noise,
     apply_guidance,
     high_noise_mask,

@@ -19,26 +19,20 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import download_wan
-from distill.config import parse_config
-from distill.errors import DistillError, Stage
-from distill.original_layout import (
-    CONVERT_DIR_ENV,
-    MARKER,
-    default_convert_root,
-    ensure_converted,
-    export_original,
-    looks_original,
-    original_problems,
-    vae_to_original,
-)
-from distill.teacher import TeacherInfo, inspect_teacher, load_expert, load_text_encoder
-from distill.tiny import (
+from distill.config.cli import parse_config
+from distill.models.original.convert import default_convert_root, ensure_converted
+from distill.models.original.detect import CONVERT_DIR_ENV, MARKER, looks_original, original_problems
+from distill.models.original.export import export_original
+from distill.models.original.keymaps import vae_to_original
+from distill.models.teacher import TeacherInfo, inspect_teacher, load_expert, load_text_encoder
+from distill.models.tiny import (
     ORIGINAL_LAYOUT_SHAPE,
     build_tiny_pipeline,
     write_tiny_original_teacher,
     write_tiny_teacher,
 )
-from distill.trainer import Distiller
+from distill.ops.errors import DistillError, Stage
+from distill.train.trainer import Distiller
 
 PROMPT = "a red cube spinning slowly on a wooden table"
 
@@ -184,7 +178,7 @@ def test_a_second_load_reuses_the_conversion(
     converted: TeacherInfo, original: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     stamp = (converted.path / MARKER).stat().st_mtime_ns
-    with caplog.at_level(logging.INFO, logger="distill.original_layout"):
+    with caplog.at_level(logging.INFO, logger="distill.models.original.convert"):
         again = inspect_teacher(str(original), convert_dir=converted.path.parent)
     assert again.path == converted.path and (again.path / MARKER).stat().st_mtime_ns == stamp
     assert "Using the diffusers-layout conversion" in caplog.text
@@ -381,8 +375,8 @@ def test_training_exports_the_original_format_on_request(tiny_teacher, shared_ca
     from conftest import train_args
     from diffusers import WanTransformer3DModel
 
-    from distill.config import parse_config
-    from distill.trainer import Distiller
+    from distill.config.cli import parse_config
+    from distill.train.trainer import Distiller
 
     result = Distiller(
         parse_config(

@@ -10,7 +10,7 @@ import sys
 
 from conftest import REPO, repo_pythonpath, train_args
 
-from distill.output_dir import hold_output_dir
+from distill.ops.output_dir import hold_output_dir
 from train_distillation import main
 
 
@@ -39,7 +39,7 @@ def test_a_killed_run_leaves_no_stale_lock(tiny_teacher, shared_cache, tmp_path)
     out.mkdir()
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from distill.output_dir import hold_output_dir; "
+         "from distill.ops.output_dir import hold_output_dir; "
          f"ctx = hold_output_dir(Path({str(out)!r})); ctx.__enter__(); print('held', flush=True); time.sleep(600)"],
         env={**os.environ, "PYTHONPATH": repo_pythonpath()},
         stdout=subprocess.PIPE,

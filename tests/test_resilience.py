@@ -20,11 +20,11 @@ import torch
 from conftest import REPO, repo_pythonpath, train_args
 from safetensors.torch import load_file
 
-from distill import checkpoint as ckpt
-from distill.config import parse_config
-from distill.errors import DistillError, Stage
-from distill.tiny import write_tiny_teacher
-from distill.trainer import Distiller
+from distill.config.cli import parse_config
+from distill.models.tiny import write_tiny_teacher
+from distill.ops.errors import DistillError, Stage
+from distill.train import checkpoint as ckpt
+from distill.train.trainer import Distiller
 from train_distillation import main
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

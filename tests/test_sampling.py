@@ -11,27 +11,23 @@ from conftest import REPO
 from diffusers import WanPipeline, WanTransformer3DModel
 from diffusers.training_utils import EMAModel
 
-from distill.data import read_prompts
-from distill.monitor import (
-    DEFAULT_SAMPLE_PROMPTS,
-    SampleMonitor,
-    SampleSettings,
-    sampling_weights,
-    wandb_media,
-)
-from distill.plots import read_metrics
-from distill.sampling import (
+from distill.data.prompts import read_prompts
+from distill.models.pipelines import (
     encode_prompts,
     initial_noise,
     load_scheduler,
-    rank_share,
     sample_latents,
     student_pipeline,
-    write_pipeline_folder,
 )
-from distill.student import build_student, load_student_config
-from distill.teacher import inspect_teacher, load_expert
-from distill.tiny import TinyTeacherShape, write_tiny_teacher
+from distill.models.student import build_student
+from distill.models.student_config import load_student_config
+from distill.models.teacher import inspect_teacher, load_expert
+from distill.models.tiny import TinyTeacherShape, write_tiny_teacher
+from distill.report.monitor import DEFAULT_SAMPLE_PROMPTS, SampleMonitor, SampleSettings, sampling_weights
+from distill.report.plots import read_metrics
+from distill.sample.media import rank_share
+from distill.sample.pipeline_folder import write_pipeline_folder
+from distill.train.tracking import wandb_media
 
 CPU = torch.device("cpu")
 PROMPTS = read_prompts(DEFAULT_SAMPLE_PROMPTS)
@@ -239,7 +235,7 @@ def test_loss_plot_from_metrics_file(teacher, tmp_path):
 
 
 def test_bad_settings_and_missing_prompt_file_are_config_errors(teacher, tmp_path, monkeypatch):
-    from distill.errors import DistillError, Stage
+    from distill.ops.errors import DistillError, Stage
 
     with pytest.raises(DistillError, match="--sample_interval must be a positive integer") as bad:
         SampleMonitor(image_settings(sample_interval=0), teacher[0], tmp_path, CPU)

@@ -1,4 +1,4 @@
-"""Tests for distill/student.py with tiny real WanTransformer3DModel teachers (no mocks)."""
+"""Tests for distill/models/student.py with tiny real WanTransformer3DModel teachers (no mocks)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from distill.errors import DistillError, Stage
-from distill.student import (
+from distill.models.student import (
     build_student,
     count_parameters,
     export_student,
     init_student_from_teacher,
     load_pretrained_student,
-    load_student_config,
     teacher_block_indices,
 )
+from distill.models.student_config import load_student_config
+from distill.ops.errors import DistillError, Stage
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -118,7 +118,7 @@ def test_origin_project_keys_translate(tmp_path, caplog):
         "text_encoder_output_dim": 32,
         "projection_factor": 1.0,
     }
-    with caplog.at_level(logging.WARNING, logger="distill.student"):
+    with caplog.at_level(logging.WARNING, logger="distill.models.student_config"):
         config = load_student_config(write_json(tmp_path, origin), make_teacher().config)
     assert config["num_attention_heads"] == 2
     assert config["attention_head_dim"] == 12

@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from distill.errors import DistillError, Stage
-from distill.teacher import GuidedTeacher, inspect_teacher, load_expert
+from distill.models.teacher import GuidedTeacher, inspect_teacher, load_expert
+from distill.ops.errors import DistillError, Stage
 
 
 @pytest.fixture(scope="module")

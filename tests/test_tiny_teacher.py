@@ -1,4 +1,4 @@
-"""distill/tiny.py: the tiny random teacher has the real A14B diffusers layout, loads offline,
+"""distill/models/tiny.py: the tiny random teacher has the real A14B diffusers layout, loads offline,
 generates, and is reproducible from its seed."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distill.errors import DistillError
-from distill.layout import DIFFUSERS_COMPONENTS, missing_components
-from distill.tiny import TinyTeacherShape, is_tiny_teacher, write_tiny_teacher
+from distill.models.layout import DIFFUSERS_COMPONENTS, missing_components
+from distill.models.tiny import TinyTeacherShape, is_tiny_teacher, write_tiny_teacher
+from distill.ops.errors import DistillError
 
 # What WanPipeline.save_pretrained writes with diffusers 0.42 / transformers 5: other parts of
 # the project (and --verify) rely on these exact names.
@@ -164,13 +164,13 @@ def test_replaces_an_existing_tiny_teacher(tiny_teacher: Path, tmp_path: Path) -
 def test_a_crash_leaves_the_old_folder_and_no_partial_one(
     tiny_teacher: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import distill.tiny
+    import distill.models.tiny
 
     def crash(folder: Path, shape: TinyTeacherShape) -> None:
         assert (folder / "transformer_2").is_dir()  # the crash comes after the files were written
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(distill.tiny, "_check_saved_index", crash)
+    monkeypatch.setattr(distill.models.tiny, "_check_saved_index", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         write_tiny_teacher(tmp_path / "fresh")
     assert list(tmp_path.iterdir()) == []

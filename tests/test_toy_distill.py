@@ -9,10 +9,10 @@ import torch
 from conftest import REPO, train_args
 from diffusers import WanTransformer3DModel
 
-from distill.config import parse_config
+from distill.config.cli import parse_config
 from distill.evaluate import main as evaluate_main
 from distill.toy.evaluation import eval_prompts, sample_pictures, score_pictures
-from distill.trainer import Distiller
+from distill.train.trainer import Distiller
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 10  # sampler steps of the students in these tests
@@ -99,7 +99,7 @@ def test_evaluate_adds_toy_scores_for_a_toy_teacher(toy_teacher, distilled, tmp_
 
 
 def test_evaluate_leaves_other_teachers_without_toy_scores(tiny_teacher, tmp_path):
-    from distill.toy.evaluation import add_toy_report
+    from distill.report.toy_report import add_toy_report
 
     result = {"denoiser": None}
     assert add_toy_report(result, tiny_teacher, None, None, None, None, tmp_path) is result

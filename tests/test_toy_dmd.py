@@ -11,9 +11,9 @@ import pytest
 from conftest import REPO, train_args
 from diffusers import WanTransformer3DModel
 
-from distill.config import parse_config
-from distill.few_step import load_few_step_scheduler
-from distill.run_settings import read_run_settings
+from distill.config.cli import parse_config
+from distill.models.few_step import load_few_step_scheduler
+from distill.sample.run_settings import read_run_settings
 from distill.toy.evaluation import (
     EVAL_PROMPTS,
     eval_prompts,
@@ -23,7 +23,7 @@ from distill.toy.evaluation import (
 )
 from distill.toy.stage_one import ASSET, RECIPE, TEACHER_REF
 from distill.toy.stage_one import main as stage_one_main
-from distill.trainer import Distiller
+from distill.train.trainer import Distiller
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STUDENT_STEPS = 4

@@ -9,10 +9,12 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
-from distill.toy.build import ASSETS, check_folding, encode_pictures, encode_texts, to_vae_input
+from distill.toy.build import ASSETS, encode_texts
 from distill.toy.evaluation import eval_prompts
 from distill.toy.render import render_batch
 from distill.toy.score import score
+from distill.toy.text_padding import check_folding
+from distill.toy.vae_fit import encode_pictures, to_vae_input
 from distill.toy.world import WORLD_FILE, all_prompts, sample_scenes
 from download_wan import main as download_main
 from download_wan import teacher_problems

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from distill.errors import DistillError
+from distill.ops.errors import DistillError
 from distill.toy.render import render, render_batch
 from distill.toy.score import CHANCE, read, score, wasserstein_1d
 from distill.toy.world import ATTRIBUTES, all_prompts, parse_prompt, sample_scenes, scene_for

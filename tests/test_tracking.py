@@ -10,7 +10,7 @@ import sys
 
 from conftest import REPO, repo_pythonpath, train_args
 
-from distill.tracking import Tracker
+from distill.train.tracking import Tracker
 
 
 def test_offline_run_is_written_without_any_key(tmp_path, monkeypatch):

@@ -12,10 +12,11 @@ from conftest import REPO, repo_pythonpath, train_args
 from diffusers import WanPipeline, WanTransformer3DModel
 from safetensors.torch import load_file
 
-from distill.config import parse_config
-from distill.student import build_student, load_student_config
-from distill.tiny import TinyTeacherShape, write_tiny_teacher
-from distill.trainer import Distiller
+from distill.config.cli import parse_config
+from distill.models.student import build_student
+from distill.models.student_config import load_student_config
+from distill.models.tiny import TinyTeacherShape, write_tiny_teacher
+from distill.train.trainer import Distiller
 from train_distillation import main
 
 

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from distill import workers
-from distill.diagnose import failure_report
-from distill.errors import Stage, quietly
+from distill.ops import workers
+from distill.ops.errors import Stage, quietly
+from distill.train.diagnose import failure_report
 
 
 class Numbers(torch.utils.data.Dataset):
@@ -107,7 +107,7 @@ def test_releasing_the_loader_gives_torch_its_signal_handler_back():
 def test_a_secondary_failure_is_dated_after_the_first_for_torchruns_root_cause(tmp_path, monkeypatch):
     import json
 
-    from distill.errors import DistillError, report
+    from distill.ops.errors import DistillError, report
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     files = {}

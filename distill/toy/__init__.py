@@ -6,6 +6,11 @@ evaluation looks here, when the teacher folder holds `toy_world.json`.
 - `world`: the prompt grammar and the hidden variation of each prompt
 - `render`: draws a scene as a picture (what the teacher learned to produce)
 - `score`: reads a picture back (attributes, variations), accuracy and diversity gap
-- `build`: fits the VAE and trains the two experts; assembles a teacher folder from shipped weights
-- `evaluation`: the toy entries of `distill.evaluate`'s report
+- `build`: trains the two experts (`recipe`: its settings; `vae_fit`: the VAE first; `text_padding`:
+  short prompts at the cost of long ones); assembles a teacher folder from shipped weights
+- `evaluation`: samples teacher and student on the world's prompts and scores them (the report's
+  toy entry is written by distill.report.toy_report)
+- `stage_one`: the command that retrains the shipped stage-1 student (`make toy-stage1`)
+
+It may import distill.ops and distill.models only; distill.report reads it, the trainer never does.
 """

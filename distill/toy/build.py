@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import shutil
 import string
@@ -36,53 +35,21 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from distill.errors import DistillError, Stage, report
+from distill.ops.errors import DistillError, Stage, report
 from distill.toy import world
-from distill.toy.render import render_batch
+from distill.toy.recipe import Recipe
+from distill.toy.text_padding import check_folding, fold_into, fold_padding, unfold_from
+from distill.toy.vae_fit import encode_pictures, fit_vae, reconstruction_score
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "toy_teacher"
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default, which the trainer uses too
 _METASPACE = "\u2581"
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """Everything that decides the trained weights (recorded in toy_world.json)."""
-
-    seed: int = 0
-    size: int = 32
-    """Picture width and height in pixels (latents are size / 8)."""
-    boundary_ratio: float = 0.875
-    flow_shift: float = 3.0
-    vae_base_dim: int = 8
-    vae_steps: int = 8000
-    vae_batch: int = 12
-    vae_lr: float = 5e-4
-    vae_latent_noise: float = 0.05
-    num_latents: int = 16384
-    """Pictures encoded once for the experts' training."""
-    expert_steps: int = 8000
-    expert_batch: int = 128
-    expert_lr: float = 1e-3
-    text_dropout: float = 0.15
-    expert_overlap: float = 0.03
-    """Each expert also trains this far (in sigma) past the boundary."""
-    heads: int = 2
-    head_dim: int = 48
-    ffn_dim: int = 256
-    layers: int = 3
-    text_dim: int = 32
-    guidance_scale: float = 4.0
-    guidance_scale_2: float = 3.0
-    sample_steps: int = 20
-    """The teacher's full step count (UniPC)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +60,7 @@ class Recipe:
 def build_tokenizer() -> Any:
     """A T5-style Unigram tokenizer whose pieces are the grammar's words (plus single characters,
     so any text still tokenizes)."""
-    from distill.tiny import t5_unigram_tokenizer
+    from distill.models.tiny import t5_unigram_tokenizer
 
     words = sorted({w for p in world.all_prompts() for w in p.split()})
     pieces = [(_METASPACE + w, -2.0) for w in words]
@@ -169,95 +136,6 @@ def build_components(recipe: Recipe) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The VAE
-# ---------------------------------------------------------------------------------------------
-
-
-def to_vae_input(pictures: np.ndarray) -> torch.Tensor:
-    """(N, H, W, 3) in [0, 1] -> (N, 3, 1, H, W) in [-1, 1], as WanPipeline's VAE sees frames."""
-    return torch.from_numpy(pictures).permute(0, 3, 1, 2)[:, :, None].mul(2.0).sub(1.0).contiguous()
-
-
-def fit_vae(vae: Any, recipe: Recipe, log: Any = print) -> Any:
-    """Fit the VAE to rendered pictures (reconstruction through slightly noised latents), then set
-    latents_mean / latents_std from its latents."""
-    vae.train()
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=recipe.vae_lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, recipe.vae_lr, total_steps=recipe.vae_steps, pct_start=0.1
-    )
-    # The loss reads the decoder's output before AutoencoderKLWan.decode clamps it to [-1, 1]:
-    # the clamp has no gradient, and pixels pushed past it early would never come back.
-    unclamped: list[torch.Tensor] = []
-    hook = vae.decoder.register_forward_hook(lambda module, args, output: unclamped.append(output))
-    start = time.perf_counter()
-    for step in range(recipe.vae_steps):
-        x = to_vae_input(
-            render_batch(world.sample_scenes(recipe.vae_batch, recipe.seed * 7919 + step), recipe.size)
-        )
-        # An autoencoder with a little latent noise rather than a full VAE: the posterior's
-        # initial unit variance would drown the code for most of a short fit, and the noise
-        # (5% of the latents' spread) keeps the decoder tolerant of imperfect diffusion samples.
-        mean = vae.encode(x).latent_dist.mode()
-        z = mean + recipe.vae_latent_noise * mean.detach().std() * torch.randn_like(mean)
-        vae.decode(z)
-        y = torch.cat(unclamped, dim=2)
-        unclamped.clear()
-        # Shape pixels weigh 5x: they are a tenth of the picture but all of its meaning.
-        weight = 1.0 + 4.0 * ((x - x[..., :1, :1]).abs().amax(dim=1, keepdim=True) > 0.2).float()
-        loss = (weight * (y - x).pow(2)).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if step % 100 == 0 or step == recipe.vae_steps - 1:
-            log(f"vae step {step:5d}  mse {loss.item():.5f}  ({time.perf_counter() - start:.0f} s)")
-        if step % 1000 == 999:  # what the scorer reads back from reconstructions, as the fit goes
-            vae.eval()
-            log(f"vae step {step:5d}  reconstructions {reconstruction_score(vae, recipe, count=128)}")
-            unclamped.clear()  # the hook saw those decodes too
-            vae.train()
-    hook.remove()
-    vae.eval().requires_grad_(False)
-    latents = encode_pictures(
-        vae, world.sample_scenes(2048, recipe.seed * 7919 + 10**6 + 1), recipe.size, normalise=False
-    )
-    mean = latents.mean(dim=(0, 2, 3, 4))
-    std = latents.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
-    vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
-    return vae
-
-
-@torch.no_grad()
-def encode_pictures(vae: Any, scenes: list[world.Scene], size: int, normalise: bool = True) -> torch.Tensor:
-    """Latents (N, 16, 1, size/8, size/8) of the scenes' pictures (posterior means), normalised as
-    WanPipeline's latents are when `normalise`."""
-    chunks = []
-    for start in range(0, len(scenes), 256):
-        x = to_vae_input(render_batch(scenes[start : start + 256], size))
-        chunks.append(vae.encode(x).latent_dist.mode())
-    latents = torch.cat(chunks)
-    if normalise:
-        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-        latents = (latents - mean) / std
-    return latents
-
-
-@torch.no_grad()
-def reconstruction_score(vae: Any, recipe: Recipe, count: int = 256) -> dict[str, Any]:
-    """The scorer on the VAE's reconstructions of fresh pictures (1.0 = every attribute survives)."""
-    from distill.toy.score import score
-
-    scenes = world.sample_scenes(count, recipe.seed * 7919 + 10**6 + 2)
-    y = vae.decode(vae.encode(to_vae_input(render_batch(scenes, recipe.size))).latent_dist.mode()).sample
-    pictures = ((y[:, :, 0].permute(0, 2, 3, 1) + 1.0) / 2.0).clamp(0, 1).numpy()
-    result = score(list(pictures), [s.prompt for s in scenes])
-    return {"accuracy": result["accuracy"], "diversity_gap": round(result["diversity_gap"], 3)}
-
-
-# ---------------------------------------------------------------------------------------------
 # Text: embeddings with the padding folded into one weighted token
 # ---------------------------------------------------------------------------------------------
 
@@ -275,70 +153,6 @@ def encode_texts(tokenizer: Any, text_encoder: Any, prompts: list[str]) -> torch
         device=torch.device("cpu"),
         dtype=torch.float32,
     )[0]
-
-
-def fold_padding(embeds: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Short embeddings (N, Lc, D) and additive attention biases (N, 1, 1, Lc) equivalent to the
-    zero-padded (N, 512, D): the real tokens, one zero token weighted by log(padding count), and
-    masked slots."""
-    width = max(lengths) + 1
-    short = torch.zeros(embeds.shape[0], width, embeds.shape[-1])
-    bias = torch.full((embeds.shape[0], 1, 1, width), -1e9)
-    for i, length in enumerate(lengths):
-        short[i, :length] = embeds[i, :length]
-        bias[i, ..., :length] = 0.0
-        bias[i, ..., length] = math.log(embeds.shape[1] - length)
-    return short, bias
-
-
-class _FoldedPaddingProcessor:
-    """Wan attention with an extra additive bias on the cross-attention logits (training only)."""
-
-    def __init__(self) -> None:
-        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-
-        self.inner = WanAttnProcessor()
-        self.bias: torch.Tensor | None = None
-
-    def __call__(
-        self,
-        attn: Any,
-        hidden_states: Any,
-        encoder_hidden_states: Any = None,
-        attention_mask: Any = None,
-        rotary_emb: Any = None,
-    ) -> Any:
-        return self.inner(attn, hidden_states, encoder_hidden_states, self.bias, rotary_emb)
-
-
-def _fold(expert: Any) -> _FoldedPaddingProcessor:
-    processor = _FoldedPaddingProcessor()
-    for block in expert.blocks:
-        block.attn2.set_processor(processor)
-    return processor
-
-
-def _unfold(expert: Any) -> None:
-    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-
-    for block in expert.blocks:
-        block.attn2.set_processor(WanAttnProcessor())
-
-
-@torch.no_grad()
-def check_folding(expert: Any, embeds: torch.Tensor, lengths: list[int]) -> float:
-    """Largest difference between the expert on full padded embeddings and on folded ones."""
-    x = torch.randn(len(lengths), 16, 1, 4, 4, generator=torch.Generator().manual_seed(0))
-    t = torch.linspace(50, 950, len(lengths))
-    full = expert(x, t, embeds, return_dict=False)[0]
-    short, bias = fold_padding(embeds, lengths)
-    processor = _fold(expert)
-    processor.bias = bias
-    try:
-        folded = expert(x, t, short, return_dict=False)[0]
-    finally:
-        _unfold(expert)
-    return float((full - folded).abs().max())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +189,7 @@ def train_experts(
         "low": (0.0, unshifted(b + recipe.expert_overlap, recipe.flow_shift)),
     }
     experts = {"high": high, "low": low}
-    processors = {name: _fold(model.train()) for name, model in experts.items()}
+    processors = {name: fold_into(model.train()) for name, model in experts.items()}
     params = [p for model in experts.values() for p in model.parameters()]
     optimizer = torch.optim.AdamW(params, lr=recipe.expert_lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
@@ -412,7 +226,7 @@ def train_experts(
                 )
     finally:
         for model in experts.values():
-            _unfold(model)
+            unfold_from(model)
             model.eval().requires_grad_(False)
 
 

@@ -7,7 +7,7 @@
 
 Everything goes through stock diffusers: the teacher folder's tokenizer, text encoder, VAE and
 scheduler, `WanPipeline` with both experts (or the student alone, boundary_ratio None), prompts
-in batches. Prompt i starts from the noise of seed `seed + i` (`distill.sampling.initial_noise`).
+in batches. Prompt i starts from the noise of seed `seed + i` (`distill.models.pipelines.initial_noise`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def sample_pictures(
 
     from diffusers import WanPipeline
 
-    from distill.sampling import initial_noise, load_scheduler
+    from distill.models.pipelines import initial_noise, load_scheduler
 
     path = Path(teacher_path)
     parts = parts or load_parts(path, transformer.device)
@@ -240,62 +240,3 @@ def calibrate(teacher_path: str | Path, count: int = 96) -> dict[str, Any]:
         }
         for name, r in results.items()
     }
-
-
-def add_toy_report(
-    result: dict[str, Any] | None,
-    teacher_path: str | Path,
-    student: torch.nn.Module,
-    high: torch.nn.Module,
-    low: torch.nn.Module,
-    settings: Any,
-    output_dir: str | Path,
-    count: int = EVAL_PROMPTS,
-) -> dict[str, Any] | None:
-    """Add `toy` to an eval.json dict (and rewrite eval.json / eval.png) when the teacher is a toy
-    one; otherwise return `result` unchanged. `settings` is the report's EvalSettings; `count`
-    prompts of the world are sampled once each."""
-    if result is None or world.read_world(teacher_path) is None:
-        return result
-    from distill.evaluate import write_report
-    from distill.sampling import scheduler_from_config
-
-    # The student at its own steps and scheduler (a dmd student's K-step one), the teacher at both.
-    own = settings.student_scheduler
-    result["toy"] = toy_report(
-        teacher_path,
-        student,
-        high,
-        low,
-        student_steps=settings.steps_of_student,
-        student_scheduler=scheduler_from_config(own) if own else None,
-        guidance_scale=settings.guidance_scale,
-        guidance_scale_2=settings.guidance_scale_2,
-        seed=settings.seed,
-        count=count,
-    )
-    write_report(result, output_dir)
-    return result
-
-
-def plot_toy(ax: Any, toy: dict[str, Any]) -> None:
-    """eval.png's toy panel: accuracy and diversity gap of teacher, teacher at the student's steps, student."""
-    names = ("teacher", "teacher_at_student_steps", "student")
-    labels = [
-        f"teacher\n{toy['teacher']['steps']} steps",
-        f"teacher\n{toy['student']['steps']} steps",
-        "student",
-    ]
-    positions = np.arange(len(names))
-    accuracy = [toy[n]["accuracy"] for n in names]
-    gap = [toy[n]["diversity_gap"] or 0.0 for n in names]  # None: no shape found at all
-    ax.bar(positions - 0.2, accuracy, width=0.4, color="tab:blue", label="accuracy (higher is better)")
-    ax.bar(positions + 0.2, gap, width=0.4, color="tab:orange", label="diversity gap (lower is better)")
-    for x, a, g in zip(positions, accuracy, gap):
-        ax.text(x - 0.2, a, f"{a:.2f}", ha="center", va="bottom", fontsize=8)
-        ax.text(x + 0.2, g, f"{g:.2f}", ha="center", va="bottom", fontsize=8)
-    ax.axhline(toy["chance"]["all"], color="gray", linestyle=":", linewidth=1)
-    ax.set_xticks(positions, labels, fontsize=8)
-    ax.set_ylim(0, max(1.1, max(gap) * 1.15))
-    ax.legend(loc="upper right", fontsize=7)
-    ax.set_title(f"toy world: what the pictures show ({toy['prompts']} prompts)", fontsize=10)

@@ -55,8 +55,8 @@ def recipe_args(teacher: str | Path, output_dir: str | Path, cache_dir: str | Pa
 
 def ship(student_dir: str | Path, dest: Path = ASSET) -> Path:
     """Copy an exported student to `dest` (atomically), naming the teacher as TEACHER_REF."""
-    from distill.model_card import write_model_card
-    from distill.run_settings import RUN_SETTINGS_FILE, read_run_settings, write_run_settings
+    from distill.sample.model_card import write_model_card
+    from distill.sample.run_settings import RUN_SETTINGS_FILE, read_run_settings, write_run_settings
     from distill.toy.build import staged_folder
 
     with staged_folder(dest) as staging:
@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"pass --retrain to train the stage-1 toy student (it replaces {args.output})")
     import torch
 
-    from distill.config import parse_config
+    from distill.config.cli import parse_config
     from distill.toy.build import write_toy_teacher
-    from distill.trainer import Distiller
+    from distill.train.trainer import Distiller
 
     torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared machine
     work = Path(args.work_dir)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from distill.errors import DistillError, Stage
+from distill.ops.errors import DistillError, Stage
 
 WORLD_FILE = "toy_world.json"
 

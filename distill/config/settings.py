@@ -1,0 +1,465 @@
+"""One typed config for a distillation run, read from the command line and an optional YAML/JSON file.
+
+Every setting is a field of `TrainConfig` with its help text beside it, so the CLI, the config
+file, `--help` and the resolved `run_config.json` written next to the student all come from the
+same place. Precedence: defaults < `--config FILE` < command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distill.ops.errors import DistillError, Stage
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **extra: Any) -> Any:
+    """A dataclass field that carries its CLI help text (and choices) as metadata."""
+    return field(default=default, metadata={"help": help, "choices": choices, **extra})
+
+
+def finite_float(text: str) -> float:
+    """argparse type of the command-line tools' number flags: inf and nan are refused by name."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def parse_betas(text: str) -> tuple[float, float]:
+    """AdamW betas from 'beta1,beta2' (ValueError when it is not two numbers)."""
+    first, second = (float(v) for v in text.split(","))
+    return first, second
+
+
+@dataclass
+class TrainConfig:
+    # --- where things are -------------------------------------------------------------------
+    teacher_path: str | None = _opt(
+        None,
+        "Wan2.2-T2V-A14B teacher: a local diffusers folder or a hub id (Wan-AI/Wan2.2-T2V-A14B-Diffusers).",
+    )
+    student_config: str | None = _opt(None, "JSON file of WanTransformer3DModel keys for the student.")
+    data_path: str | None = _opt(None, "Prompts: .txt (one per line), .jsonl or .csv with a 'prompt' field.")
+    output_dir: str | None = _opt(None, "Where checkpoints, metrics, caches and the exported student go.")
+    cache_dir: str | None = _opt(
+        None, "Prompt-embedding and clean-latent caches (default <output_dir>/cache); share it between runs."
+    )
+    config: str | None = _opt(None, "YAML or JSON file with any of these settings; command-line flags win.")
+
+    # --- teacher ----------------------------------------------------------------------------
+    teacher_dtype: str = _opt(
+        "auto",
+        "Teacher weights dtype; auto = bfloat16 on CUDA, float32 on CPU.",
+        ("auto", "float32", "float16", "bfloat16"),
+    )
+    teacher_on_cpu: bool = _opt(
+        False, "Keep teacher weights in CPU RAM and stream them to the GPU group by group (CUDA only)."
+    )
+    teacher_placement: str = _opt(
+        "auto",
+        "Where the frozen teacher lives: gpu (a full copy per device), cpu (CPU RAM, streamed to the GPU), "
+        "shard (FSDP2: each rank holds 1/N and gathers one block at a time), auto (chosen from measured memory).",
+        ("auto", "gpu", "cpu", "shard"),
+    )
+    teacher_device_strategy: str | None = _opt(
+        None,
+        "The origin project's name for --teacher_placement: cpu, balanced (= shard), auto.",
+        ("cpu", "balanced", "gpu0", "auto"),
+    )
+    boundary_ratio: float | None = _opt(
+        None,
+        "Expert switch: t >= ratio*1000 uses the high-noise expert (default: the teacher's model_index.json).",
+    )
+    guidance_scale: float = _opt(4.0, "Classifier-free guidance of the high-noise expert (transformer).")
+    guidance_scale_2: float = _opt(3.0, "Classifier-free guidance of the low-noise expert (transformer_2).")
+    negative_prompt: str = _opt("", "Negative prompt for the unconditional branch of guidance.")
+    max_sequence_length: int = _opt(512, "Text tokens per prompt (the Wan text encoder's limit is 512).")
+    flow_shift: float | None = _opt(
+        None,
+        "Shift of the sigma schedule for training timesteps (default: the teacher scheduler's flow_shift).",
+    )
+
+    # --- student ----------------------------------------------------------------------------
+    student_init: str = _opt(
+        "random",
+        "random, teacher (evenly spaced blocks of one expert, sliced to the student's width), "
+        "or a folder / hub id of a pretrained WanTransformer3DModel.",
+    )
+    student_init_expert: str = _opt(
+        "low", "Which expert --student_init teacher copies from.", ("high", "low")
+    )
+    gradient_checkpointing: bool = _opt(False, "Recompute student activations in backward to save memory.")
+
+    # --- method ------------------------------------------------------------------------------
+    method: str = _opt(
+        "velocity",
+        "velocity: regress onto the guided teacher's velocity (a smaller student, the teacher's step count); "
+        "dmd: distribution matching into a --student_steps generator (start it from a velocity student).",
+        ("velocity", "dmd"),
+    )
+    student_steps: int = _opt(4, "dmd: sampling steps of the student (exported with its scheduler).")
+    student_shift: float = _opt(
+        5.0,
+        "dmd: shift of the student's flow-match step grid (set_timesteps(K)); 5 puts 2 of 4 steps on each "
+        "side of the A14B boundary 0.875.",
+    )
+    student_shift_terminal: float | None = _opt(
+        None,
+        "dmd: the sigma the student's last step lands at (diffusers' shift_terminal; e.g. 0.25 gives "
+        "1000, 931, 783, 250 at shift 5 and 4 steps instead of 1000, 910, 717, 24). Off by default.",
+    )
+    critic_config: str | None = _opt(
+        None, "dmd: JSON of WanTransformer3DModel keys for the critic (default: the student's config)."
+    )
+    critic_init: str | None = _opt(
+        None, "dmd: random, teacher or a pretrained folder for the critic (default: like the student)."
+    )
+    critic_updates: int = _opt(5, "dmd: critic updates per generator update.")
+    critic_lr: float | None = _opt(
+        None, "dmd: peak learning rate of the critic's AdamW (default with --method dmd: 4e-7)."
+    )
+    critic_betas: str = _opt("0,0.999", "dmd: AdamW betas of the critic, as 'beta1,beta2'.")
+    generator_betas: str = _opt(
+        "0,0.999", "dmd: AdamW betas of the student (generator), as 'beta1,beta2' (velocity: AdamW's own)."
+    )
+    dmd_inputs: str = _opt(
+        "simulate",
+        "dmd: the generator's inputs: simulate (its own rollout from noise to a random step) or data "
+        "(the teacher's cached latents noised to one of the student's timesteps).",
+        ("simulate", "data"),
+    )
+    regression_weight: float = _opt(
+        0.0,
+        "dmd: weight of an MSE term pulling the student's first step onto the teacher's (noise -> x0) pairs.",
+    )
+
+    # --- clean latents ----------------------------------------------------------------------
+    height: int = _opt(480, "Training (and sampling) height in pixels; a multiple of 8 x the patch size.")
+    width: int = _opt(832, "Training width in pixels; a multiple of 8 x the patch size.")
+    num_frames: int = _opt(1, "Frames per sample: 1 = image mode, 4k+1 = video.")
+    teacher_sample_steps: int = _opt(40, "Teacher sampler steps used to make each clean latent x0.")
+    max_prompts: int | None = _opt(None, "Use only the first N prompts of --data_path (quick trials).")
+
+    # --- optimisation -----------------------------------------------------------------------
+    batch_size: int = _opt(1, "Samples per device per micro-step.")
+    gradient_accumulation_steps: int = _opt(1, "Micro-steps per optimizer step.")
+    num_steps: int | None = _opt(None, "Optimizer steps to run (default 1000 unless --num_epochs is given).")
+    num_epochs: int | None = _opt(None, "Passes over the prompts; used when --num_steps is not given.")
+    lr: float = _opt(1e-4, "Peak learning rate of AdamW (default with --method dmd: 2e-6).")
+    lr_scheduler: str = _opt(
+        "cosine",
+        "Learning-rate shape after warm-up (default with --method dmd: constant).",
+        ("cosine", "constant"),
+    )
+    lr_warmup_steps: int = _opt(0, "Linear warm-up steps.")
+    weight_decay: float = _opt(0.0, "AdamW weight decay.")
+    max_grad_norm: float = _opt(1.0, "Clip gradients to this global norm (0 disables clipping).")
+    mixed_precision: str = _opt("no", "Autocast for the student.", ("no", "bf16", "fp16"))
+    ema_decay: float = _opt(
+        0.0, "Keep an EMA of the student with this decay (0 disables), exported as student_ema/."
+    )
+    seed: int = _opt(0, "Seed for initialisation, noise, timesteps and data order.")
+    num_workers: int = _opt(0, "DataLoader worker processes reading the clean-latent cache.")
+    device: str = _opt("auto", "auto (cuda when available), cuda, cuda:N or cpu.")
+
+    # --- samples and evaluation ----------------------------------------------------------
+    save_samples: bool = _opt(
+        False,
+        "Render the held-out prompts with the student every --sample_interval steps (teacher references once).",
+    )
+    sample_prompts: str | None = _opt(
+        None, "Prompts for samples (default data/sample_prompts.txt, held out)."
+    )
+    sample_interval: int = _opt(500, "Steps between sample rounds.")
+    sample_dir: str | None = _opt(None, "Where samples and grids go (default <output_dir>/samples).")
+    sample_steps: int = _opt(
+        30,
+        "Sampler steps for samples, teacher references and the evaluation (dmd: the teacher's; the "
+        "student uses --student_steps).",
+    )
+    sample_seed: int = _opt(0, "Prompt i is sampled with seed sample_seed + i, teacher and student alike.")
+    eval_interval: int = _opt(0, "Steps between student-vs-teacher reports (eval.json, eval.png); 0 = off.")
+    eval_prompts: str | None = _opt(None, "Prompts for the report (default: the sample prompts).")
+    eval_num_buckets: int = _opt(10, "Timestep buckets over [0, 1000] in the denoiser report.")
+    eval_samples_per_bucket: int = _opt(1, "Noised samples per bucket and prompt in the denoiser report.")
+
+    # --- distributed ------------------------------------------------------------------------
+    backend: str = _opt(
+        "auto",
+        "Process-group backend under torchrun; auto = nccl with CUDA, gloo without (DDP_BACKEND overrides auto).",
+        ("auto", "nccl", "gloo"),
+    )
+    dist_timeout: float = _opt(
+        60.0, "Minutes a collective may wait for the other ranks (covers teacher loading)."
+    )
+    stall_timeout: float = _opt(
+        10.0,
+        "Minutes without a finished training step before every rank prints its stacks and the run ends "
+        "(exit 11); 0 = off. Keep it well under --dist_timeout.",
+    )
+    distributed: bool = _opt(
+        False, "Accepted for compatibility: torchrun alone decides; checked against how the run was launched."
+    )
+    debug_distributed: bool = _opt(
+        False,
+        "Log every setup step per rank and turn on NCCL/torch.distributed debug output (or DISTILL_DEBUG=1).",
+    )
+    teacher_load_concurrency: int = _opt(
+        0, "Ranks per node that load the teacher at the same time (0 = as many as free host RAM allows)."
+    )
+    max_bad_steps: int = _opt(
+        10, "Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)."
+    )
+
+    # --- bookkeeping ------------------------------------------------------------------------
+    log_every: int = _opt(10, "Log loss/lr every N steps (one host sync per logged step).")
+    checkpoint_every: int = _opt(500, "Save a resumable checkpoint every N steps (0 = only at the end).")
+    keep_last: int = _opt(3, "Checkpoints to keep; older ones are deleted once a newer one is complete.")
+    resume: str = _opt(
+        "auto", "auto (newest checkpoint in output_dir, if any), none, or a checkpoint folder."
+    )
+    export_formats: str = _opt(
+        "diffusers",
+        "Comma-separated student export formats: diffusers (student/, always written) and original "
+        "(also student_original.safetensors with Wan's own key names, for Wan's code and ComfyUI).",
+    )
+    force_resume: bool = _opt(
+        False,
+        "Resume even if the checkpoint was made with another student config, teacher, prompts or "
+        "training target (guidance, negative prompt, flow shift, boundary ratio, max_sequence_length).",
+    )
+    wandb_project: str | None = _opt(None, "Log to this wandb project (nothing is sent to wandb without it).")
+    wandb_mode: str = _opt(
+        "online",
+        "wandb mode; online falls back to offline when no API key is set.",
+        ("online", "offline", "disabled"),
+    )
+    wandb_run_name: str | None = _opt(None, "Name of the wandb run.")
+    plan_world_size: int | None = _opt(
+        None, "World size the memory plan is printed for (default: the one launched); try it with --dry_run."
+    )
+    dry_run: bool = _opt(False, "Validate everything, print the plan and memory estimate, then exit 0.")
+
+    # ------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every setting that can be checked without loading a model."""
+        self._resolve_placement_aliases()
+        for f in dataclasses.fields(self):
+            choices = f.metadata["choices"]
+            if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
+                raise config_error(
+                    f.name,
+                    f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}",
+                    f"set --{f.name} to one of {', '.join(choices)}",
+                )
+        for name in ("teacher_path", "student_config", "data_path", "output_dir"):
+            if not getattr(self, name):
+                raise config_error(name, "is required", f"pass --{name} (or set '{name}' in --config)")
+        positive = [
+            "height",
+            "width",
+            "num_frames",
+            "teacher_sample_steps",
+            "batch_size",
+            "gradient_accumulation_steps",
+            "max_sequence_length",
+            "log_every",
+            "keep_last",
+            "max_bad_steps",
+            "sample_interval",
+            "sample_steps",
+            "eval_num_buckets",
+            "eval_samples_per_bucket",
+            "student_steps",
+            "critic_updates",
+        ]
+        self._validate_finite()
+        for name in positive + ["num_steps", "num_epochs", "max_prompts", "plan_world_size"]:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise config_error(
+                    name, f"must be a positive integer, got {value}", f"set --{name} to 1 or more"
+                )
+        unknown_formats = set(self.export_formats.split(",")) - {"diffusers", "original"}
+        if unknown_formats:
+            raise config_error(
+                "export_formats",
+                f"has unknown format(s) {', '.join(sorted(unknown_formats))}",
+                "use --export_formats diffusers or --export_formats diffusers,original",
+            )
+        if self.dist_timeout <= 0:
+            raise config_error("dist_timeout", "must be positive (minutes)", "try --dist_timeout 60")
+        if self.stall_timeout < 0:
+            raise config_error(
+                "stall_timeout", "must be 0 (off) or positive (minutes)", "try --stall_timeout 10"
+            )
+        for name in (
+            "checkpoint_every",
+            "lr_warmup_steps",
+            "num_workers",
+            "teacher_load_concurrency",
+            "eval_interval",
+        ):
+            if getattr(self, name) < 0:
+                raise config_error(name, "must be 0 or more", f"set --{name} 0")
+        if self.num_frames % 4 != 1:
+            k = max(1, round((self.num_frames - 1) / 4))
+            raise config_error(
+                "num_frames",
+                f"must be 4k+1 (the Wan VAE compresses time by 4), got {self.num_frames}",
+                f"use --num_frames 1 for images or --num_frames {4 * k + 1} for video",
+            )
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value % 16:
+                raise config_error(
+                    name,
+                    f"must be a multiple of 16 (VAE stride 8 x patch 2), got {value}",
+                    f"use --{name} {max(16, value // 16 * 16)}",
+                )
+        if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
+            raise config_error(
+                "boundary_ratio", f"must lie in (0, 1), got {self.boundary_ratio}", "Wan 2.2 uses 0.875"
+            )
+        if self.lr <= 0:
+            raise config_error("lr", f"must be positive, got {self.lr}", "try --lr 1e-4")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise config_error(
+                "ema_decay", f"must lie in [0, 1), got {self.ema_decay}", "try --ema_decay 0.999"
+            )
+        self._validate_method()
+        if self.max_grad_norm < 0:
+            raise config_error("max_grad_norm", "must be 0 (off) or positive", "try --max_grad_norm 1.0")
+        if self.flow_shift is not None and self.flow_shift <= 0:
+            raise config_error("flow_shift", f"must be positive, got {self.flow_shift}", "Wan 2.2 uses 3.0")
+        if self.resume not in ("auto", "none") and not Path(self.resume).is_dir():
+            raise config_error(
+                "resume",
+                f"is neither auto, none nor an existing checkpoint folder: {self.resume}",
+                "pass --resume auto to continue from the newest checkpoint in --output_dir",
+            )
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise config_error("device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
+
+    def _validate_finite(self) -> None:
+        """inf or nan in any number setting: refused before it trains a student of NaNs."""
+        types = field_types()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            base = next((a for a in typing.get_args(types[f.name]) if a is not type(None)), types[f.name])
+            if base is float and value is not None and not math.isfinite(value):
+                default = f" (its default is {f.default})" if f.default is not None else ""
+                raise config_error(
+                    f.name, f"must be a finite number, got {value}", f"give --{f.name} a number{default}"
+                )
+
+    def _validate_method(self) -> None:
+        if self.method != "dmd":
+            return
+        if self.student_init == "random":
+            raise DistillError(
+                "--method dmd needs a student that can already denoise: --student_init is random",
+                "Distribution matching sharpens a generator; it does not teach one from nothing. A random "
+                "student (and its critic, which starts like it) spends the run learning what stage 1 "
+                "teaches far more cheaply, and published recipes always start from trained weights.",
+                fixes=[
+                    "run stage 1 first (velocity distillation at --guidance_scale 1 --guidance_scale_2 1), "
+                    "then --student_init <stage-1 output>/student (README: the two-stage recipe)",
+                    "or --student_init teacher: the student's blocks copied from one teacher expert",
+                ],
+                stage=Stage.CONFIG,
+            )
+        for name in ("critic_betas", "generator_betas"):
+            try:
+                betas = parse_betas(getattr(self, name))
+            except ValueError:
+                betas = (-1.0, -1.0)
+            if not all(0.0 <= b < 1.0 for b in betas):
+                raise config_error(
+                    name,
+                    f"must be two numbers in [0, 1) like 0,0.999, got {getattr(self, name)!r}",
+                    f"try --{name} 0,0.999",
+                )
+        if self.critic_lr is not None and self.critic_lr <= 0:
+            raise config_error("critic_lr", f"must be positive, got {self.critic_lr}", "try --critic_lr 2e-6")
+        if self.student_shift_terminal is not None and not 0 < self.student_shift_terminal < 1:
+            raise config_error(
+                "student_shift_terminal",
+                f"must be a sigma between 0 and 1, got {self.student_shift_terminal}",
+                "try --student_shift_terminal 0.25, or leave it out",
+            )
+        if self.student_shift <= 0:
+            raise config_error(
+                "student_shift", f"must be positive, got {self.student_shift}", "try --student_shift 5"
+            )
+        if self.regression_weight < 0:
+            raise config_error(
+                "regression_weight", "must be 0 (off) or positive", "try --regression_weight 0.25"
+            )
+
+    @property
+    def critic_betas_tuple(self) -> tuple[float, float]:
+        return parse_betas(self.critic_betas)
+
+    @property
+    def generator_betas_tuple(self) -> tuple[float, float]:
+        return parse_betas(self.generator_betas)
+
+    def _resolve_placement_aliases(self) -> None:
+        """Fold --teacher_on_cpu and the origin --teacher_device_strategy into --teacher_placement."""
+        if self.teacher_device_strategy is not None:
+            if self.teacher_device_strategy == "gpu0":
+                raise config_error(
+                    "teacher_device_strategy",
+                    "gpu0 (the whole teacher on GPU 0, serving every rank) has no equivalent here: every rank "
+                    "needs the teacher's outputs for its own samples",
+                    "use --teacher_placement shard (each GPU holds 1/N of the teacher) or --teacher_placement gpu",
+                )
+            alias = {"cpu": "cpu", "balanced": "shard", "auto": "auto"}[self.teacher_device_strategy]
+            if self.teacher_placement not in ("auto", alias):
+                raise config_error(
+                    "teacher_device_strategy",
+                    f"{self.teacher_device_strategy} means --teacher_placement {alias}, but "
+                    f"--teacher_placement {self.teacher_placement} was also given",
+                    "give only --teacher_placement",
+                )
+            self.teacher_placement = alias
+        if self.teacher_on_cpu:
+            if self.teacher_placement not in ("auto", "cpu"):
+                raise config_error(
+                    "teacher_on_cpu",
+                    f"conflicts with --teacher_placement {self.teacher_placement}",
+                    "give only one of them (--teacher_on_cpu is --teacher_placement cpu)",
+                )
+            self.teacher_placement = "cpu"
+        elif self.teacher_placement == "cpu":
+            self.teacher_on_cpu = True
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else Path(self.output_dir) / "cache"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def config_error(name: str, problem: str, fix: str) -> DistillError:
+    return DistillError(f"--{name} {problem}", fixes=[fix], stage=Stage.CONFIG)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line and config file
+# ---------------------------------------------------------------------------------------------
+
+
+def field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)

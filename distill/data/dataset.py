@@ -1,0 +1,102 @@
+"""What training reads: one (clean latent, prompt embedding) pair per prompt from the two caches,
+zero-padded to the run's text length, in an order that a resumed run continues exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from distill.data.caches import TensorCache
+
+
+class DistillationDataset(torch.utils.data.Dataset):
+    """Clean latent x0 and zero-padded prompt embedding of each training prompt, read from the caches."""
+
+    def __init__(
+        self,
+        prompts: Sequence[str],
+        latents: TensorCache,
+        embeddings: TensorCache,
+        max_length: int,
+        noise_for: Callable[[str], torch.Tensor] | None = None,
+    ) -> None:
+        self.prompts = list(prompts)
+        self.latents, self.embeddings = latents, embeddings
+        self.max_length = max_length
+        # With it, items also carry the initial noise the teacher sampled x0 from (its noise -> x0 pair).
+        self.noise_for = noise_for
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        prompt = self.prompts[index]
+        item = {
+            "x0": self.latents.get(prompt),
+            "cond": pad_embedding(self.embeddings.get(prompt), self.max_length),
+            "index": torch.tensor(index),
+        }
+        if self.noise_for is not None:
+            item["noise"] = self.noise_for(prompt)
+        return item
+
+    def clean_latent_statistics(self, limit: int = 256) -> tuple[float, float]:
+        """Mean and std over every element of the first `limit` cached clean latents (the teacher's)."""
+        total = squares = count = 0.0
+        for prompt in self.prompts[:limit]:
+            x0 = self.latents.get(prompt).double()
+            total, squares, count = (
+                total + x0.sum().item(),
+                squares + x0.pow(2).sum().item(),
+                count + x0.numel(),
+            )
+        mean = total / count
+        return mean, max(squares / count - mean * mean, 0.0) ** 0.5
+
+
+def pad_embedding(embedding: torch.Tensor, max_length: int) -> torch.Tensor:
+    """Zero-pad a (tokens, dim) embedding to max_length rows, exactly as WanPipeline pads prompts."""
+    padded = embedding.new_zeros(max_length, embedding.shape[-1])
+    padded[: embedding.shape[0]] = embedding[:max_length]
+    return padded
+
+
+class ResumableSampler(torch.utils.data.Sampler[int]):
+    """This rank's share of one global stream of shuffled epochs, resumable from a sample count.
+
+    The global stream concatenates permutations drawn from `seed + epoch`. It is cut into global
+    batches of `batch_size * world_size`; rank r reads slice r of each. So the samples a step sees
+    do not depend on how many processes share the global batch, and resuming needs only the
+    number of global samples consumed (a DataLoader reads ahead, so the sampler's own position is
+    not what training has used).
+    """
+
+    def __init__(
+        self, num_items: int, seed: int, batch_size: int = 1, rank: int = 0, world_size: int = 1
+    ) -> None:
+        self.num_items, self.seed = num_items, seed
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.start = 0
+
+    def start_at(self, consumed: int) -> None:
+        """Continue after `consumed` global samples."""
+        self.start = consumed
+
+    def _global_stream(self, start: int) -> Iterator[int]:
+        epoch, position = divmod(start, self.num_items)
+        while True:
+            order = torch.randperm(
+                self.num_items, generator=torch.Generator().manual_seed(self.seed + epoch)
+            ).tolist()
+            yield from order[position:]
+            epoch, position = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[int]:
+        global_batch = self.batch_size * self.world_size
+        for offset, index in enumerate(self._global_stream(self.start)):
+            if ((self.start + offset) % global_batch) // self.batch_size == self.rank:
+                yield index
+
+    def __len__(self) -> int:
+        return max(1, self.num_items // self.world_size)

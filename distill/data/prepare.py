@@ -1,0 +1,220 @@
+"""Before training: fill the prompt-embedding cache (text encoder) and the clean-latent cache (teacher sampler).
+
+Each stage loads only the models it needs and frees them when done; a second run with the same
+teacher and settings finds both caches full and loads neither the text encoder nor runs a sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from distill.config.settings import TrainConfig
+from distill.data.caches import TensorCache, fill_cache, prompt_key
+from distill.models.flow_matching import NUM_TRAIN_TIMESTEPS
+from distill.models.teacher import TeacherInfo, free, load_text_encoder
+from distill.ops.errors import DistillError, Stage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheReport:
+    embeddings_built: int
+    latents_built: int
+
+
+def embedding_cache(cfg: TrainConfig, info: TeacherInfo, dtype: torch.dtype) -> TensorCache:
+    settings = {
+        "text_encoder": info.fingerprint("text_encoder", "tokenizer"),
+        "max_sequence_length": cfg.max_sequence_length,
+        "dtype": str(dtype),
+    }
+    return TensorCache(cfg.resolved_cache_dir / "embeddings", settings, "prompt-embedding").open()
+
+
+def latent_cache(
+    cfg: TrainConfig, info: TeacherInfo, dtype: torch.dtype, embeddings: TensorCache
+) -> TensorCache:
+    settings = {
+        "teacher": info.fingerprint("transformer", "transformer_2", "scheduler"),
+        "embeddings": embeddings.settings["text_encoder"],
+        "height": cfg.height,
+        "width": cfg.width,
+        "num_frames": cfg.num_frames,
+        "teacher_sample_steps": cfg.teacher_sample_steps,
+        "guidance_scale": cfg.guidance_scale,
+        "guidance_scale_2": cfg.guidance_scale_2,
+        "boundary_ratio": info.boundary_ratio,
+        "negative_prompt": cfg.negative_prompt,
+        "seed": cfg.seed,
+        "dtype": str(dtype),
+    }
+    return TensorCache(cfg.resolved_cache_dir / "latents", settings, "clean-latent").open()
+
+
+def fill_embedding_cache(
+    cache: TensorCache,
+    prompts: Sequence[str],
+    info: TeacherInfo,
+    max_length: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    show_progress: bool = True,
+) -> int:
+    """Encode the prompts the cache lacks; store each embedding trimmed to its real token count."""
+    todo = cache.missing(prompts)
+    if not todo:
+        return 0
+    logger.info("encoding %d prompt(s) with the teacher's text encoder", len(todo))
+    pipe = load_text_encoder(info, device, dtype)
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    truncated = 0
+
+    def encode(chunk: list[str]) -> list[torch.Tensor]:
+        nonlocal truncated
+        ids = pipe.tokenizer([prompt_clean(p) for p in chunk], add_special_tokens=True)["input_ids"]
+        lengths = [min(len(i), max_length) for i in ids]
+        truncated += sum(len(i) > max_length for i in ids)
+        with torch.no_grad():
+            embeds = pipe.encode_prompt(
+                chunk,
+                do_classifier_free_guidance=False,
+                max_sequence_length=max_length,
+                device=device,
+                dtype=dtype,
+            )[0]
+        return [e[:n].cpu() for e, n in zip(embeds, lengths)]
+
+    with tqdm(total=len(todo), desc="text embeddings", disable=not show_progress) as bar:
+        built = fill_cache(cache, todo, encode, batch_size=8, progress=bar.update)
+    if truncated:
+        logger.warning(
+            "%d prompt(s) are longer than %d tokens and were truncated (the text encoder's limit)",
+            truncated,
+            max_length,
+        )
+    free(pipe)
+    return built
+
+
+def prompt_seed(seed: int, prompt: str) -> int:
+    """A per-prompt sampling seed: independent of prompt order and of which rank samples it."""
+    return (seed * 1_000_003 + int(prompt_key(prompt)[:12], 16)) % (2**63)
+
+
+def non_finite_teacher_error(
+    info: TeacherInfo, cfg: TrainConfig, prompt: str, timestep: float
+) -> DistillError:
+    """The teacher sampled NaN or inf: name the expert that owns the first bad step."""
+    high = timestep >= info.boundary_ratio * NUM_TRAIN_TIMESTEPS
+    folder = "transformer" if high else "transformer_2"
+    return DistillError(
+        f"the teacher's {'high' if high else 'low'}-noise expert ({folder}/) produced non-finite values "
+        f"at t = {timestep:.0f} while sampling the clean-latent cache",
+        f"prompt: {prompt!r}\nNothing non-finite was cached: training on it would teach the student NaN.",
+        causes=[
+            f"damaged weights in {info.path / folder} (a truncated or overwritten download)",
+            f"--teacher_dtype float16 overflowing (this run: {cfg.teacher_dtype})",
+        ],
+        fixes=[
+            f"replace {info.path / folder} with a fresh copy of the teacher's files (python download_wan.py)",
+            "--teacher_dtype bfloat16 (or float32) if the teacher runs in float16",
+        ],
+        stage=Stage.TEACHER_LOAD,
+    )
+
+
+def fill_latent_cache(
+    cache: TensorCache,
+    prompts: Sequence[str],
+    embeddings: TensorCache,
+    negative: torch.Tensor,
+    cfg: TrainConfig,
+    info: TeacherInfo,
+    high: torch.nn.Module,
+    low: torch.nn.Module,
+    device: torch.device,
+    show_progress: bool = True,
+    lockstep_placeholder: str | None = None,
+) -> int:
+    """Sample a clean latent x0 for each prompt the cache lacks, with the teacher's own sampler.
+
+    Runs diffusers' WanPipeline with both experts, their guidance scales and the teacher's
+    scheduler, and keeps the final latent (before the VAE), one prompt at a time with a seed
+    derived from the prompt, so the cache does not depend on batch composition or rank.
+
+    With a sharded teacher every rank must run the same number of sampler calls (each forward
+    gathers weights from all ranks): pass `lockstep_placeholder`, a prompt that ranks with fewer
+    missing entries sample (and discard) until every rank has done as many calls as the busiest.
+    """
+    todo: list[str | None] = list(cache.missing(prompts))
+    if lockstep_placeholder is not None:
+        from distill.ops.distributed import all_reduce_max
+
+        calls = all_reduce_max(len(todo))
+        todo += [None] * (calls - len(todo))
+    if not todo:
+        return 0
+    from distill.data.dataset import pad_embedding
+    from distill.models.pipelines import load_scheduler, teacher_pipeline
+
+    pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path))
+    dtype = high.dtype  # the model's compute dtype (diffusers keeps some parameters in float32)
+    negative_embeds = pad_embedding(negative, cfg.max_sequence_length)[None].to(device, dtype)
+    logger.info(
+        "sampling %d clean latent(s) with the teacher (%d steps, %dx%d, %d frame(s))",
+        len(todo),
+        cfg.teacher_sample_steps,
+        cfg.height,
+        cfg.width,
+        cfg.num_frames,
+    )
+
+    def sample(prompt: str) -> torch.Tensor:
+        cond = pad_embedding(embeddings.get(prompt), cfg.max_sequence_length)[None].to(device, dtype)
+        first_non_finite: list[float] = []
+
+        def watch(_pipe: Any, _step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            # One check per sampler step (a device sync, only while the cache is filled): the first
+            # non-finite step says which expert produced it.
+            if not first_non_finite and not torch.isfinite(tensors["latents"]).all():
+                first_non_finite.append(float(timestep))
+            return tensors
+
+        with torch.no_grad():
+            latents = pipe(
+                prompt_embeds=cond,
+                negative_prompt_embeds=negative_embeds,
+                height=cfg.height,
+                width=cfg.width,
+                num_frames=cfg.num_frames,
+                num_inference_steps=cfg.teacher_sample_steps,
+                guidance_scale=cfg.guidance_scale,
+                guidance_scale_2=cfg.guidance_scale_2,
+                generator=torch.Generator("cpu").manual_seed(prompt_seed(cfg.seed, prompt)),
+                output_type="latent",
+                max_sequence_length=cfg.max_sequence_length,
+                callback_on_step_end=watch,
+                callback_on_step_end_tensor_inputs=["latents"],
+            ).frames
+        if first_non_finite:
+            raise non_finite_teacher_error(info, cfg, prompt, first_non_finite[0])
+        return latents[0].float().cpu()
+
+    built = 0
+    with tqdm(total=len(todo), desc="teacher latents", disable=not show_progress) as bar:
+        for prompt in todo:
+            if prompt is None:  # a lockstep call: keeps the sharded experts' collectives in step
+                sample(lockstep_placeholder)
+            else:
+                cache.put(prompt, sample(prompt))
+                built += 1
+            bar.update(1)
+    return built

@@ -1,0 +1,345 @@
+"""Generating images and videos with diffusers' WanPipeline: the student alone, or the teacher.
+
+The student learned the teacher's *guided* velocity, so it samples with one model and guidance 1
+(`transformer=student, transformer_2=None, boundary_ratio=None`); the teacher samples with both
+experts, switched at its boundary, and its own guidance scales (4.0 / 3.0 for Wan 2.2 A14B).
+Tokenizer, text encoder, VAE and scheduler always come from the teacher folder.
+
+During training nothing here loads the text encoder: pipelines take precomputed, zero-padded
+prompt embeddings, sample to latents, and `decode_with_teacher_vae` loads the VAE only for the
+decode and frees it after. The command-line front end is `distill/generate.py`:
+
+    python -m distill.generate --student outputs/run1/student --teacher_path TEACHER \
+        --prompt "a red fox in the snow" --output fox.png
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from distill.models.teacher import free
+from distill.ops.errors import DistillError, Stage
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Teacher components, loaded on demand
+# ---------------------------------------------------------------------------------------------
+
+
+def load_scheduler(teacher_path: str | Path) -> Any:
+    """A fresh instance of the teacher's scheduler (of the class its scheduler_config.json names).
+
+    Every pipeline gets its own: a multistep scheduler keeps state between steps, so two pipelines
+    must not share one.
+    """
+    import diffusers
+
+    folder = Path(teacher_path) / "scheduler"
+    name = json.loads((folder / "scheduler_config.json").read_text()).get(
+        "_class_name", "UniPCMultistepScheduler"
+    )
+    return getattr(diffusers, name).from_pretrained(folder)
+
+
+def scheduler_from_config(config: Mapping[str, Any]) -> Any:
+    """A diffusers scheduler from a config dict naming its class (`_class_name`), e.g. a
+    run_settings.json `scheduler` entry."""
+    import diffusers
+
+    name = config.get("_class_name")
+    cls = getattr(diffusers, str(name), None)
+    if cls is None or not hasattr(cls, "from_config"):
+        raise DistillError(
+            f"unknown scheduler class {name!r}",
+            fixes=["name a diffusers scheduler in `_class_name`, e.g. FlowMatchEulerDiscreteScheduler"],
+            stage=Stage.CONFIG,
+        )
+    return cls.from_config(dict(config))
+
+
+def load_vae(teacher_path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32) -> Any:
+    """The teacher's Wan VAE, frozen, on `device` (float32 by default: decoding is cheap and exact)."""
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan.from_pretrained(Path(teacher_path) / "vae", torch_dtype=dtype)
+    return vae.requires_grad_(False).eval().to(device)
+
+
+def load_text_components(
+    teacher_path: str | Path, device: torch.device, dtype: torch.dtype
+) -> tuple[Any, Any]:
+    """The teacher's tokenizer and UMT5 text encoder (frozen, on `device`)."""
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    path = Path(teacher_path)
+    tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+    encoder = UMT5EncoderModel.from_pretrained(path / "text_encoder", torch_dtype=dtype)
+    return tokenizer, encoder.requires_grad_(False).eval().to(device)
+
+
+def encode_prompts(
+    teacher_path: str | Path,
+    prompts: Sequence[str],
+    max_sequence_length: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Zero-padded (max_sequence_length, text_dim) embeddings of `prompts`, on the CPU.
+
+    Loads the text encoder, encodes exactly as WanPipeline does, and frees it again.
+    """
+    from diffusers import WanPipeline
+
+    tokenizer, encoder = load_text_components(teacher_path, device, dtype)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=None, scheduler=None)
+    unique = list(dict.fromkeys(prompts))
+    with torch.no_grad():
+        embeds = pipe.encode_prompt(
+            unique,
+            do_classifier_free_guidance=False,
+            max_sequence_length=max_sequence_length,
+            device=device,
+            dtype=dtype,
+        )[0]
+    result = {prompt: embed.cpu() for prompt, embed in zip(unique, embeds)}
+    free(pipe, tokenizer, encoder)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes a model can handle
+# ---------------------------------------------------------------------------------------------
+
+
+class SizeLimits(NamedTuple):
+    """What bounds the sample sizes a Wan transformer accepts, read from its config."""
+
+    name: str
+    """How messages call it: "student", "teacher"."""
+    config_file: str
+    """Where its config lives, for the message."""
+    patch_size: tuple[int, int, int]
+    rope_max_seq_len: int
+    """Positions of its rotary table per axis: more patches along any axis cannot be embedded."""
+
+    @classmethod
+    def of(cls, name: str, config: Mapping[str, Any], config_file: str | Path) -> SizeLimits:
+        # WanTransformer3DModel's own defaults for a config that leaves them out.
+        patch = tuple(config.get("patch_size") or (1, 2, 2))
+        return cls(name, str(config_file), patch, int(config.get("rope_max_seq_len") or 1024))
+
+
+def check_sample_size(
+    height: int,
+    width: int,
+    num_frames: int,
+    vae_scale_spatial: int,
+    vae_scale_temporal: int,
+    models: Sequence[SizeLimits],
+    *,
+    fixes: Sequence[str] = (),
+) -> None:
+    """Refuse a size that one of `models` cannot denoise, before anything is loaded.
+
+    WanPipeline would otherwise round a size silently (not a multiple of VAE stride x patch) or
+    crash deep inside the rotary embedding (more patches along an axis than rope_max_seq_len).
+    `fixes` come first in the message (e.g. the size the student was trained at).
+    """
+    if num_frames <= 0 or (num_frames - 1) % vae_scale_temporal:
+        raise DistillError(
+            f"--num_frames must be 1 or {vae_scale_temporal}k+1, got {num_frames}",
+            f"the Wan VAE compresses time by {vae_scale_temporal}",
+            fixes=[*fixes, "use --num_frames 1 (image) or 81 (video)"],
+            stage=Stage.CONFIG,
+        )
+    latent_frames = (num_frames - 1) // vae_scale_temporal + 1
+    for model in models:
+        p_t, p_h, p_w = model.patch_size
+        for flag, value, patch in (("height", height, p_h), ("width", width, p_w)):
+            multiple = vae_scale_spatial * patch
+            if value <= 0 or value % multiple:
+                raise DistillError(
+                    f"--{flag} must be a positive multiple of {multiple}, got {value}",
+                    f"VAE stride {vae_scale_spatial} x the {model.name}'s patch {patch} ({model.config_file})",
+                    fixes=[*fixes, f"use --{flag} {max(multiple, value // multiple * multiple)}"],
+                    stage=Stage.CONFIG,
+                )
+        axes = (
+            (
+                "num_frames",
+                num_frames,
+                latent_frames // p_t,
+                (model.rope_max_seq_len * p_t - 1) * vae_scale_temporal + 1,
+            ),
+            (
+                "height",
+                height,
+                height // vae_scale_spatial // p_h,
+                model.rope_max_seq_len * vae_scale_spatial * p_h,
+            ),
+            (
+                "width",
+                width,
+                width // vae_scale_spatial // p_w,
+                model.rope_max_seq_len * vae_scale_spatial * p_w,
+            ),
+        )
+        for flag, value, patches, largest in axes:
+            if patches > model.rope_max_seq_len:
+                raise DistillError(
+                    f"--{flag} {value} is too large for the {model.name}: {patches} patches along that axis, "
+                    f"its rope_max_seq_len is {model.rope_max_seq_len}",
+                    f"the {model.name}'s rotary position table ({model.config_file}) has "
+                    f"{model.rope_max_seq_len} positions per axis, so --{flag} can be at most {largest}",
+                    fixes=[*fixes, f"use --{flag} {largest} or less"],
+                    stage=Stage.CONFIG,
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipelines
+# ---------------------------------------------------------------------------------------------
+
+
+def student_pipeline(student: torch.nn.Module, scheduler: Any, **components: Any) -> Any:
+    """WanPipeline running the student alone (sample it with guidance_scale=1.0).
+
+    `components` may add tokenizer, text_encoder and vae; without them pass prompt embeddings and
+    ask for output_type="latent".
+    """
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline(
+        tokenizer=components.get("tokenizer"),
+        text_encoder=components.get("text_encoder"),
+        vae=components.get("vae"),
+        scheduler=scheduler,
+        transformer=student,
+        transformer_2=None,
+        boundary_ratio=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def teacher_pipeline(
+    high: torch.nn.Module, low: torch.nn.Module, boundary_ratio: float, scheduler: Any, **components: Any
+) -> Any:
+    """WanPipeline running both experts: `high` (transformer) while t >= boundary_ratio * 1000, `low` below."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline(
+        tokenizer=components.get("tokenizer"),
+        text_encoder=components.get("text_encoder"),
+        vae=components.get("vae"),
+        scheduler=scheduler,
+        transformer=high,
+        transformer_2=low,
+        boundary_ratio=boundary_ratio,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a model computes in. Not its first parameter's: diffusers keeps some Wan modules
+    (time embedder, norms, modulation tables) in float32 inside a bfloat16 model."""
+    dtype = getattr(model, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
+
+
+def initial_noise(latent_shape: Sequence[int], seed: int) -> torch.Tensor:
+    """The starting noise (1, C, F, H, W) for `seed`, drawn on the CPU.
+
+    Identical to what WanPipeline draws from `generator=torch.Generator("cpu").manual_seed(seed)`,
+    so a sample made here can be reproduced with plain diffusers, on any device.
+    """
+    generator = torch.Generator("cpu").manual_seed(seed)
+    return torch.randn((1, *latent_shape), generator=generator, dtype=torch.float32)
+
+
+def sample_latents(
+    pipe: Any,
+    noise: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    negative_prompt_embeds: torch.Tensor | None,
+    steps: int,
+    guidance_scale: float,
+    guidance_scale_2: float | None = None,
+) -> torch.Tensor:
+    """Run `pipe` from `noise` (1,C,F,H,W) to its final latent (C,F,H,W), float32 on the CPU.
+
+    `prompt_embeds` is (1, L, D) or (L, D), zero-padded as WanPipeline pads prompts.
+    """
+    device = pipe._execution_device
+    dtype = compute_dtype(pipe.transformer if pipe.transformer is not None else pipe.transformer_2)
+    cond = prompt_embeds.reshape(1, *prompt_embeds.shape[-2:]).to(device, dtype)
+    uncond = None
+    if negative_prompt_embeds is not None and guidance_scale > 1.0:
+        uncond = negative_prompt_embeds.reshape(1, *negative_prompt_embeds.shape[-2:]).to(device, dtype)
+    _, _, frames, height, width = noise.shape
+    scale = pipe.vae_scale_factor_spatial
+    if pipe.config.boundary_ratio is None:
+        guidance_scale_2 = None  # WanPipeline refuses a second scale for a single model
+    latents = pipe(
+        prompt_embeds=cond,
+        negative_prompt_embeds=uncond,
+        height=height * scale,
+        width=width * scale,
+        num_frames=(frames - 1) * pipe.vae_scale_factor_temporal + 1,
+        num_inference_steps=steps,
+        guidance_scale=guidance_scale,
+        guidance_scale_2=guidance_scale_2,
+        latents=noise.to(device),
+        output_type="latent",
+        max_sequence_length=cond.shape[1],
+    ).frames
+    return latents[0].float().cpu()
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def decode_latents(latents: torch.Tensor, vae: Any) -> np.ndarray:
+    """Frames (F, H, W, 3) in [0, 1] from one latent (C, F, h, w), exactly as WanPipeline decodes."""
+    from diffusers.video_processor import VideoProcessor
+
+    z = latents[None].to(vae.device, vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z)
+    video = vae.decode(z * std + mean, return_dict=False)[0]
+    processor = VideoProcessor(vae_scale_factor=vae.config.scale_factor_spatial)
+    return processor.postprocess_video(video, output_type="np")[0].astype(np.float32)
+
+
+@contextlib.contextmanager
+def teacher_vae(teacher_path: str | Path, device: torch.device) -> Iterator[Any]:
+    """The teacher's VAE for the duration of a `with` block; freed afterwards."""
+    vae = load_vae(teacher_path, device)
+    try:
+        yield vae
+    finally:
+        free(vae)
+
+
+def decode_with_teacher_vae(
+    latents: Sequence[torch.Tensor], teacher_path: str | Path, device: torch.device
+) -> list[np.ndarray]:
+    """Decode several latents with the teacher's VAE, loaded for this call only."""
+    if not latents:
+        return []
+    with teacher_vae(teacher_path, device) as vae:
+        return [decode_latents(z, vae) for z in latents]

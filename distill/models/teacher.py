@@ -1,0 +1,451 @@
+"""The frozen Wan 2.2 teacher: find it, read its layout, load its parts, and give guided velocities.
+
+Only what a stage needs is loaded: the text encoder to fill the embedding cache (then freed), the
+two experts for sampling clean latents and for training targets, the VAE only to decode samples.
+Expert convention (diffusers' WanPipeline): `transformer` is the HIGH-noise expert and handles
+t >= boundary_ratio * 1000; `transformer_2` is the LOW-noise expert and handles the rest.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distill.models.flow_matching import apply_guidance, high_noise_mask
+from distill.models.layout import (
+    DIFFUSERS_COMPONENTS,
+    ORIGINAL_COMPONENTS,
+    missing_components,
+    present_entries,
+    safetensors_problem,
+)
+from distill.models.original.convert import ensure_converted
+from distill.models.original.detect import looks_original
+from distill.ops.errors import DistillError, Stage
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the teacher and reading its layout (cheap: JSON only)
+# ---------------------------------------------------------------------------------------------
+
+
+def _layout_error(path: str, title: str, details: str = "") -> DistillError:
+    folder = Path(path)
+    found = present_entries(folder)
+    lines = [details] if details else []
+    lines.append(
+        "Expected the diffusers layout (Wan-AI/Wan2.2-T2V-A14B-Diffusers): " + ", ".join(DIFFUSERS_COMPONENTS)
+    )
+    lines.append("or the original Wan layout: " + ", ".join(ORIGINAL_COMPONENTS))
+    lines.append(
+        "Found: " + (", ".join(found) if found else "nothing (the folder does not exist or is empty)")
+    )
+    return DistillError(
+        title,
+        "\n".join(lines),
+        causes=["the download did not finish", "--teacher_path points at the wrong folder"],
+        fixes=[
+            "python download_wan.py --local_dir models/Wan2.2-T2V-A14B-Diffusers   # then pass that folder",
+            f"python download_wan.py --verify {path}   # lists what is missing",
+            "python download_wan.py --tiny models/tiny-wan   # a tiny random teacher to try the pipeline",
+        ],
+        stage=Stage.TEACHER_LOAD,
+    )
+
+
+def resolve_teacher_path(path_or_id: str) -> Path:
+    """A local folder as is; a hub id is fetched (or found in the local hub cache) with huggingface_hub."""
+    local = Path(path_or_id).expanduser()
+    if local.exists() or not HUB_ID.match(path_or_id):
+        if not local.is_dir():
+            raise _layout_error(path_or_id, f"teacher folder not found: {path_or_id}")
+        return local.resolve()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path_or_id, local_files_only=True))
+    except Exception:  # not cached yet: fetch it below
+        pass
+    try:
+        return Path(snapshot_download(path_or_id))
+    except Exception as exc:
+        raise DistillError(
+            f"could not fetch the teacher {path_or_id} from the Hugging Face hub",
+            f"{type(exc).__name__}: {exc}",
+            causes=[
+                "no network on this node",
+                "the repo is gated and no token is set",
+                "a typo in the repo id",
+            ],
+            fixes=[
+                f"download once on a machine with internet: python download_wan.py --repo_id {path_or_id} "
+                "--local_dir models/teacher, copy the folder here, then pass --teacher_path models/teacher",
+                "set HF_TOKEN if the repo is gated",
+            ],
+            stage=Stage.TEACHER_LOAD,
+        ) from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DistillError(
+            f"cannot read {path}",
+            str(exc),
+            fixes=[f"re-download that file; python download_wan.py --verify {path.parent.parent}"],
+            stage=Stage.TEACHER_LOAD,
+        ) from None
+
+
+@dataclass(frozen=True)
+class TeacherInfo:
+    """What the rest of the trainer needs to know about the teacher, read from its JSON files."""
+
+    path: Path
+    boundary_ratio: float
+    flow_shift: float
+    expert_config: dict[str, Any]  # config of `transformer` (the two experts must agree on shapes)
+    vae_scale_spatial: int
+    vae_scale_temporal: int
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.expert_config["in_channels"])
+
+    @property
+    def text_dim(self) -> int:
+        return int(self.expert_config["text_dim"])
+
+    @property
+    def patch_size(self) -> tuple[int, int, int]:
+        return tuple(self.expert_config["patch_size"])
+
+    def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, int, int, int]:
+        frames = (num_frames - 1) // self.vae_scale_temporal + 1
+        return (
+            self.latent_channels,
+            frames,
+            height // self.vae_scale_spatial,
+            width // self.vae_scale_spatial,
+        )
+
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        """Host memory one rank needs to load both experts in `dtype` (from the files' sizes)."""
+        on_disk = sum(
+            f.stat().st_size
+            for c in ("transformer", "transformer_2")
+            for f in (self.path / c).glob("*.safetensors")
+        )
+        stored_dtype_bytes = 2 if self.expert_config.get("_stored_in_16_bit", True) else 4
+        return on_disk * (torch.finfo(dtype).bits // 8) // stored_dtype_bytes
+
+    def fingerprint(self, *components: str) -> str:
+        """A content key for `components`: configs, file names and sizes, and the first and last MiB
+        of every weight file. Cheap on 60 GB of weights, yet two differently initialised teachers
+        of the same shape never share a cache."""
+        digest = hashlib.sha256()
+        for component in components:
+            folder = self.path / component
+            for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+                digest.update(str(file.relative_to(self.path)).encode())
+                size = file.stat().st_size
+                digest.update(str(size).encode())
+                with file.open("rb") as handle:
+                    digest.update(handle.read(1 << 20))
+                    if size > 2 << 20:
+                        handle.seek(-(1 << 20), 2)
+                        digest.update(handle.read())
+        return digest.hexdigest()[:16]
+
+
+def check_teacher_configs(path: Path) -> tuple[dict[str, Any], ...]:
+    """(transformer, transformer_2, scheduler, vae) configs, each value of the type its class expects
+    (the text encoder's config is checked too)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config
+
+    from distill.models.config_types import check_value_types
+
+    def read(relative: str, cls: type) -> dict[str, Any]:
+        file = path / relative
+        return check_value_types(_read_json(file), cls, file, Stage.TEACHER_LOAD)
+
+    read("text_encoder/config.json", UMT5Config)
+    return (
+        read("transformer/config.json", WanTransformer3DModel),
+        read("transformer_2/config.json", WanTransformer3DModel),
+        read("scheduler/scheduler_config.json", UniPCMultistepScheduler),
+        read("vae/config.json", AutoencoderKLWan),
+    )
+
+
+def inspect_teacher(
+    path_or_id: str, boundary_ratio: float | None = None, convert_dir: str | Path | None = None
+) -> TeacherInfo:
+    """Resolve the teacher and read its layout, refusing anything that is not a complete Wan 2.2 T2V teacher.
+
+    A folder in the ORIGINAL Wan layout is converted once to the diffusers layout under
+    `convert_dir` (default: $WAN_DISTILL_CONVERT_DIR or ~/.cache/wan-distill/converted) and the
+    returned info points at that copy, so every later stage reads the diffusers layout.
+    """
+    path = resolve_teacher_path(path_or_id)
+    if looks_original(path):
+        path = ensure_converted(path, convert_dir)
+    missing = missing_components(path)
+    if missing:
+        raise _layout_error(str(path), f"the teacher folder is incomplete: missing {', '.join(missing)}")
+    index = _read_json(path / "model_index.json")
+    ratio = boundary_ratio if boundary_ratio is not None else index.get("boundary_ratio")
+    if ratio is None:
+        raise DistillError(
+            f"{path}/model_index.json has no boundary_ratio: this is not a two-expert Wan 2.2 teacher",
+            fixes=[
+                "point --teacher_path at Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+                "or pass --boundary_ratio 0.875",
+            ],
+            stage=Stage.TEACHER_LOAD,
+        )
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool):
+        raise DistillError(
+            f'{path / "model_index.json"}: "boundary_ratio" must be a number (like 0.875), got {ratio!r}',
+            fixes=[f'write "boundary_ratio": 0.875 in {path / "model_index.json"}, or pass --boundary_ratio'],
+            stage=Stage.TEACHER_LOAD,
+        )
+    high, low, scheduler, vae = check_teacher_configs(path)
+    for key in ("in_channels", "out_channels", "text_dim", "patch_size"):
+        if high.get(key) != low.get(key):
+            raise DistillError(
+                f"the two experts disagree on {key}: transformer has {high.get(key)}, transformer_2 has {low.get(key)}",
+                "Both experts of a Wan 2.2 teacher work in the same latent and text space.",
+                fixes=["re-download the teacher; the folders come from different models"],
+                stage=Stage.TEACHER_LOAD,
+            )
+    for component in ("text_encoder", "vae", "transformer", "transformer_2"):
+        for weights in sorted((path / component).glob("*.safetensors")):
+            problem = safetensors_problem(weights)
+            if problem:
+                raise DistillError(
+                    f"the teacher's {component} weights are damaged: {weights}",
+                    problem,
+                    causes=["an interrupted download or copy", "a full disk while writing"],
+                    fixes=[
+                        f"re-download {component}/: python download_wan.py --local_dir {path}  (resumes, "
+                        "fetching only what is missing or wrong)",
+                        f"python download_wan.py --verify {path}",
+                    ],
+                    stage=Stage.TEACHER_LOAD,
+                )
+    temporal = vae.get("scale_factor_temporal") or 2 ** sum(
+        bool(d) for d in vae.get("temperal_downsample", [])
+    )
+    spatial = vae.get("scale_factor_spatial") or 2 ** len(vae.get("temperal_downsample", [0, 0, 0]))
+    return TeacherInfo(
+        path=path,
+        boundary_ratio=float(ratio),
+        flow_shift=float(scheduler.get("flow_shift") or scheduler.get("shift") or 3.0),
+        expert_config=high,
+        vae_scale_spatial=int(spatial),
+        vae_scale_temporal=int(temporal),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def _load_failure(component: str, path: Path, exc: Exception) -> DistillError:
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        raise exc  # handled by the out-of-memory report of the entry point
+    return DistillError(
+        f"could not load the teacher's {component} from {path / component}",
+        f"{type(exc).__name__}: {exc}",
+        causes=[
+            "a truncated or corrupt weight file (interrupted download)",
+            "a diffusers/transformers version mismatch",
+        ],
+        fixes=[f"python download_wan.py --verify {path}", "re-download the damaged component"],
+        stage=Stage.TEACHER_LOAD,
+    )
+
+
+def load_text_encoder(info: TeacherInfo, device: torch.device, dtype: torch.dtype) -> Any:
+    """A WanPipeline holding only tokenizer and text encoder: its encode_prompt is the reference encoding."""
+    from diffusers import WanPipeline
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(info.path, subfolder="tokenizer")
+        encoder = UMT5EncoderModel.from_pretrained(info.path, subfolder="text_encoder", torch_dtype=dtype)
+    except Exception as exc:
+        raise _load_failure("text_encoder", info.path, exc) from exc
+    encoder.requires_grad_(False).eval().to(device)
+    return WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=None, scheduler=None)
+
+
+def load_expert(info: TeacherInfo, subfolder: str, dtype: torch.dtype) -> Any:
+    from diffusers import WanTransformer3DModel
+
+    try:
+        # safetensors are memory-mapped, so host RAM holds one copy of the weights at most.
+        model = WanTransformer3DModel.from_pretrained(info.path, subfolder=subfolder, torch_dtype=dtype)
+    except Exception as exc:
+        raise _load_failure(subfolder, info.path, exc) from exc
+    return model.requires_grad_(False).eval()
+
+
+def shard_expert(model: Any, device: torch.device, world_size: int) -> Any:
+    """Shard a frozen expert over all ranks with FSDP2: each rank keeps 1/N of every block.
+
+    One `fully_shard` per transformer block, then the root, so a forward gathers one block at a
+    time and frees it after use. No gradients and no optimizer: only the parameters are sharded.
+    Every rank must then call the expert the same number of times (see GuidedTeacher.lockstep).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return model
+
+
+def place_expert(model: Any, device: torch.device, on_cpu: bool, shard_over: int = 0) -> Any:
+    """Put a frozen expert where it computes: on the device, streamed from CPU RAM block by block,
+    or sharded over `shard_over` ranks."""
+    if shard_over > 1:
+        return shard_expert(model.to(device), device, shard_over)
+    if on_cpu and device.type == "cuda":
+        # Weights stay in (pinned) CPU memory; each block is copied to the GPU just before it runs,
+        # overlapped with compute on a side stream. The forward still runs on the GPU.
+        model.enable_group_offload(
+            onload_device=device,
+            offload_device=torch.device("cpu"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            use_stream=True,
+            # Copies from pinned memory overlap the previous block's compute instead of blocking the
+            # host; record_stream lets the allocator reuse each block's memory as soon as it is done.
+            non_blocking=True,
+            record_stream=True,
+        )
+        return model
+    return model.to(device)
+
+
+def free(*objects: Any) -> None:
+    """Drop references and give the memory back, so a stage's models do not outlive it."""
+    del objects
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class GuidedTeacher:
+    """The two frozen experts, routed by timestep, returning classifier-free-guided velocities."""
+
+    def __init__(
+        self,
+        high: Any,
+        low: Any,
+        boundary_ratio: float,
+        guidance_high: float,
+        guidance_low: float,
+        device: torch.device,
+        dtype: torch.dtype,
+        lockstep: bool = False,
+    ) -> None:
+        self.high, self.low = high, low
+        # Sharded experts run collectives in their forward: every rank must call an expert whenever
+        # any rank does, even with nothing of its own to compute.
+        self.lockstep = lockstep
+        self.boundary_ratio = boundary_ratio
+        self.guidance_high, self.guidance_low = guidance_high, guidance_low
+        self.device, self.dtype = device, dtype
+
+    @torch.no_grad()
+    def velocity(
+        self,
+        x_t: torch.Tensor,
+        timesteps: torch.Tensor,
+        cond: torch.Tensor,
+        uncond: torch.Tensor,
+        experts_needed: tuple[bool, bool] | None = None,
+    ) -> torch.Tensor:
+        """Guided velocity for each sample of a batch.
+
+        x_t (B,C,F,H,W) and cond (B,L,D) live on the device; `timesteps` (B,) lives on the CPU so the
+        routing below costs no device sync; `uncond` is the negative-prompt embedding (1,L,D).
+        Each expert runs once, on its slice of the batch, with the conditional and unconditional
+        inputs stacked into one forward. `experts_needed` = (high, low) says whether ANY rank needs
+        each expert this step; in lockstep mode a rank with no sample for a needed expert runs it
+        on a placeholder sample and drops the result.
+        """
+        out = torch.empty(x_t.shape, dtype=torch.float32, device=x_t.device)
+        is_high = high_noise_mask(timesteps, self.boundary_ratio)
+        needed = (
+            experts_needed if experts_needed is not None else (bool(is_high.any()), bool((~is_high).any()))
+        )
+        for expert, scale, mask, anywhere in (
+            (self.high, self.guidance_high, is_high, needed[0]),
+            (self.low, self.guidance_low, ~is_high, needed[1]),
+        ):
+            rows = mask.nonzero().flatten()
+            if rows.numel() == 0:
+                if self.lockstep and anywhere:
+                    self._placeholder_forward(expert, x_t, timesteps, cond, uncond)
+                continue
+            n = rows.numel()
+            rows_dev = rows.to(x_t.device, non_blocking=True)
+            x = x_t.index_select(0, rows_dev).to(self.dtype)
+            t = timesteps.index_select(0, rows).to(x_t.device, non_blocking=True)
+            text = torch.cat([cond.index_select(0, rows_dev), uncond.expand(n, -1, -1)]).to(self.dtype)
+            both = expert(
+                hidden_states=torch.cat([x, x]),
+                timestep=torch.cat([t, t]),
+                encoder_hidden_states=text,
+                return_dict=False,
+            )[0]
+            guided = apply_guidance(both[:n].float(), both[n:].float(), scale)
+            out.index_copy_(0, rows_dev, guided)
+        return out
+
+    def _placeholder_forward(
+        self,
+        expert: Any,
+        x_t: torch.Tensor,
+        timesteps: torch.Tensor,
+        cond: torch.Tensor,
+        uncond: torch.Tensor,
+    ) -> None:
+        """Join the collectives of a sharded expert's forward with one sample whose result is dropped."""
+        text = torch.cat([cond[:1], uncond]).to(self.dtype)
+        x = x_t[:1].to(self.dtype)
+        t = timesteps[:1].to(x_t.device)
+        expert(
+            hidden_states=torch.cat([x, x]),
+            timestep=torch.cat([t, t]),
+            encoder_hidden_states=text,
+            return_dict=False,
+        )

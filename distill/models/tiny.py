@@ -1,0 +1,376 @@
+"""A tiny, randomly initialised Wan 2.2 T2V A14B teacher in the real diffusers on-disk layout.
+
+Tests and the offline demo need a teacher that loads through exactly the same code path as
+`Wan-AI/Wan2.2-T2V-A14B-Diffusers` (model_index.json, text_encoder/, tokenizer/, vae/,
+transformer/ = high-noise expert, transformer_2/ = low-noise expert, scheduler/) but builds in
+about a second on a CPU with no network. Every component is the real class with a tiny config;
+the pipeline's own `save_pretrained` writes the folder, so the layout cannot drift from what
+diffusers expects.
+
+    from distill.models.tiny import write_tiny_original_teacher, write_tiny_teacher
+    write_tiny_teacher("outputs/tiny_teacher", seed=0)
+    write_tiny_original_teacher("outputs/tiny_teacher_original", seed=0)   # the original Wan layout
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import string
+import tempfile
+import unicodedata
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+
+from distill.models.layout import (
+    DIFFUSERS_COMPONENTS,
+    ORIGINAL_COMPONENTS,
+    missing_components,
+    present_entries,
+)
+from distill.ops.errors import DistillError, Stage
+
+# A folder this small cannot be a real teacher (the A14B one is ~120 GB, even Wan 2.1 1.3B is
+# several GB), so it is safe to replace without `overwrite=True`.
+_TINY_MAX_BYTES = 256 * 1024 * 1024
+
+# The tokenizer is estimated from these prompts. They are varied so that common English
+# sub-words become pieces; any other text still tokenizes through single characters.
+_TOKENIZER_CORPUS = (
+    "a red cube spinning slowly on a wooden table",
+    "a cat walking through fresh snow at dawn",
+    "a futuristic city at night with neon lights and flying cars",
+    "an astronaut riding a horse on the surface of the moon",
+    "waves crashing against black rocks under a stormy sky",
+    "a bowl of ramen with steam rising, close-up shot",
+    "two dogs playing fetch in a sunny park",
+    "a drone shot over a green forest with a winding river",
+    "a golden retriever puppy sleeping on a blue blanket",
+    "a chef chopping vegetables in a busy restaurant kitchen",
+    "timelapse of clouds moving over snowy mountains",
+    "a paper boat floating down a rainy street",
+    "an old man reading a newspaper on a park bench",
+    "a hummingbird hovering near a bright pink flower",
+    "a steam train crossing a stone bridge in autumn",
+    "fireworks exploding over a harbour at midnight",
+    "a little girl blowing bubbles in the garden",
+    "a macro shot of dew drops on a spider web",
+    "a sailboat gliding across a calm turquoise lake",
+    "a robot painting a portrait in an art studio",
+    "slow motion of a glass of milk spilling on the floor",
+    "a fox running across a frozen field",
+    "a cozy cabin with smoke curling from the chimney",
+    "a skateboarder doing a trick in an empty pool",
+    "a jellyfish glowing in the deep dark ocean",
+    "children flying colourful kites on a windy beach",
+    "a vintage car driving along a coastal road at sunset",
+    "a candle flickering in a dark room",
+    "a panda eating bamboo in a misty forest",
+    "a busy street market in the rain, cinematic lighting",
+    "a white horse galloping through tall grass",
+    "an aerial view of a desert with sand dunes",
+    "a violinist playing on a subway platform",
+    "a cup of coffee with latte art, top-down view",
+    "lightning striking a lonely tree on a hill",
+    "a butterfly landing on a child's hand",
+    "Close-up portrait of a woman smiling, 4K, shallow depth of field.",
+    "Two people dancing in the street; the camera pans left!",
+)
+
+_SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5/UMT5
+_METASPACE = "\u2581"  # SentencePiece's word-start marker
+_MAX_PIECE_CHARS = 6
+_MIN_PIECE_COUNT = 2
+
+
+@dataclass(frozen=True)
+class TinyTeacherShape:
+    """Sizes of the tiny teacher. Defaults build in well under a second and save to ~0.5 MB."""
+
+    num_layers: int = 2
+    """Transformer blocks in each expert (the real A14B experts have 40)."""
+    num_attention_heads: int = 2
+    """Attention heads in each expert (real: 40)."""
+    attention_head_dim: int = 12
+    """Channels per head; must split into Wan's 3-axis rotary embedding (real: 128)."""
+    ffn_dim: int = 32
+    """Hidden width of each block's feed-forward layer (real: 13824)."""
+    text_dim: int = 32
+    """Width of the text embeddings, i.e. the UMT5 encoder's d_model (real: 4096)."""
+    freq_dim: int = 256
+    """Width of the sinusoidal timestep embedding (real: 256)."""
+    boundary_ratio: float = 0.875
+    """`transformer` (high noise) runs while t >= boundary_ratio * 1000, `transformer_2` below."""
+    vae_dim_mult: tuple[int, ...] = (1, 1, 1, 1)
+    """VAE width multipliers per stage (real: 1, 2, 4, 4; ORIGINAL_LAYOUT_SHAPE uses those)."""
+    vae_num_res_blocks: int = 1
+    """Residual blocks per VAE stage (real: 2)."""
+    text_relative_max_distance: int = 32
+    """UMT5 relative-attention max distance (real: 128, which Wan's own T5 code hard-codes)."""
+
+
+# The original layout can only express the real structure: diffusers' VAE converter hard-codes
+# the real block indices and Wan's T5 code its max distance. Same widths, so still tiny.
+ORIGINAL_LAYOUT_SHAPE = TinyTeacherShape(
+    vae_dim_mult=(1, 2, 4, 4), vae_num_res_blocks=2, text_relative_max_distance=128
+)
+
+
+def write_tiny_teacher(
+    out_dir: str | Path,
+    seed: int = 0,
+    shape: TinyTeacherShape = TinyTeacherShape(),  # noqa: B008 - frozen, so a shared default is safe
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write a random tiny Wan 2.2 T2V A14B teacher to `out_dir` and return its path.
+
+    The same `seed` and `shape` give byte-identical weight files; a different seed gives
+    different weights. The folder appears complete or not at all: everything is written to a
+    temporary sibling first and renamed into place. An existing non-empty `out_dir` that is not
+    already a tiny teacher is refused unless `overwrite=True`.
+    """
+    out_dir = Path(out_dir).expanduser().absolute()
+    _check_destination(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Not tempfile.mkdtemp: its 0700 mode would end up on the final folder.
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        build_tiny_pipeline(seed, shape).save_pretrained(staging, safe_serialization=True)
+        _check_saved_index(staging, shape)
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def write_tiny_original_teacher(
+    out_dir: str | Path,
+    seed: int = 0,
+    shape: TinyTeacherShape = ORIGINAL_LAYOUT_SHAPE,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write the same tiny teacher as `write_tiny_teacher(out_dir, seed, shape)` in the ORIGINAL
+    Wan layout (models_t5_umt5-xxl-enc-bf16.pth, google/umt5-xxl/, Wan2.1_VAE.pth,
+    high_noise_model/, low_noise_model/). Weights stay float32 whatever the file names say, so a
+    conversion can be compared exactly with the diffusers-layout teacher of the same seed and shape.
+    """
+    from distill.models.original.export import save_original_layout
+
+    out_dir = Path(out_dir).expanduser().absolute()
+    _check_destination(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        save_original_layout(build_tiny_pipeline(seed, shape), staging, shape.boundary_ratio)
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def build_tiny_pipeline(seed: int = 0, shape: TinyTeacherShape = TinyTeacherShape()) -> WanPipeline:  # noqa: B008
+    """The tiny teacher as an in-memory `WanPipeline` (what `write_tiny_teacher` saves)."""
+    tokenizer = build_tiny_tokenizer()
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_seeded(seed, "text_encoder", lambda: _build_text_encoder(len(tokenizer), shape)),
+        vae=_seeded(seed, "vae", lambda: _build_vae(shape)),
+        scheduler=UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
+        ),
+        transformer=_seeded(seed, "transformer", lambda: _build_expert(shape)),
+        transformer_2=_seeded(seed, "transformer_2", lambda: _build_expert(shape)),
+        boundary_ratio=shape.boundary_ratio,
+    )
+
+
+def build_tiny_tokenizer() -> T5TokenizerFast:
+    """A small T5-style Unigram tokenizer (`<pad>`=0, `</s>`=1, `<unk>`=2, appends `</s>`)."""
+    return t5_unigram_tokenizer(_unigram_vocab(_TOKENIZER_CORPUS)[len(_SPECIAL_TOKENS) :])
+
+
+def t5_unigram_tokenizer(pieces: list[tuple[str, float]], model_max_length: int = 512) -> T5TokenizerFast:
+    """A T5-style tokenizer over Unigram `pieces` (piece, log-probability): the special tokens
+    `<pad>`=0, `</s>`=1, `<unk>`=2 come first, and `</s>` is appended as UMT5 expects."""
+    vocab = [(token, 0.0) for token in _SPECIAL_TOKENS] + pieces
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
+    return T5TokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_ids=0,  # the sentinel tokens only matter for T5's span-corruption pre-training
+        model_max_length=model_max_length,
+    )
+
+
+def is_tiny_teacher(folder: str | Path) -> bool:
+    """Whether `folder` holds a complete teacher (either layout) small enough to be a tiny one."""
+    folder = Path(folder)
+    if missing_components(folder, DIFFUSERS_COMPONENTS) and missing_components(folder, ORIGINAL_COMPONENTS):
+        return False
+    total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return total <= _TINY_MAX_BYTES
+
+
+def _unigram_vocab(corpus: Iterable[str]) -> list[tuple[str, float]]:
+    """Unigram pieces and log-probabilities estimated from substring counts of `corpus`.
+
+    tokenizers' UnigramTrainer is not deterministic across processes (its EM result changes
+    piece order and scores by ~1e-4 from run to run), which would change token ids and so the
+    text encoder's embedding rows. Plain counting is deterministic and good enough for a random
+    model: frequent sub-words become pieces, every printable ASCII character stays encodable.
+    """
+    counts: Counter[str] = Counter()
+    for word in _metaspace_words(corpus):
+        counts.update(_substrings(word, _MAX_PIECE_CHARS))
+    pieces = {p: c for p, c in counts.items() if c >= _MIN_PIECE_COUNT or len(p) == 1}
+    for char in string.printable.strip() + _METASPACE:
+        pieces.setdefault(char, 0)
+    total = sum(pieces.values())
+    # Unseen characters get half a count so they stay reachable but are never preferred.
+    scored = [(piece, math.log(max(count, 0.5) / total)) for piece, count in pieces.items()]
+    scored.sort(key=lambda item: (-item[1], item[0]))
+    return [(token, 0.0) for token in _SPECIAL_TOKENS] + scored
+
+
+def _metaspace_words(corpus: Iterable[str]) -> Iterator[str]:
+    """Words as the Metaspace pre-tokenizer sees them: NFKC-normalised, prefixed with '▁'."""
+    for sentence in corpus:
+        for word in unicodedata.normalize("NFKC", sentence).split():
+            yield _METASPACE + word
+
+
+def _substrings(word: str, max_chars: int) -> Iterator[str]:
+    for start in range(len(word)):
+        for end in range(start + 1, min(len(word), start + max_chars) + 1):
+            yield word[start:end]
+
+
+def _component_seed(seed: int, component: str) -> int:
+    """A seed per component, so the two experts differ and adding a component changes nothing else."""
+    digest = hashlib.sha256(f"{seed}:{component}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _seeded(seed: int, component: str, build):
+    """Run `build()` under the component's seed without disturbing the caller's RNG state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_component_seed(seed, component))
+        return build().eval()
+
+
+def _build_expert(shape: TinyTeacherShape) -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=shape.num_attention_heads,
+        attention_head_dim=shape.attention_head_dim,
+        in_channels=16,
+        out_channels=16,
+        text_dim=shape.text_dim,
+        freq_dim=shape.freq_dim,
+        ffn_dim=shape.ffn_dim,
+        num_layers=shape.num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
+def _build_text_encoder(vocab_size: int, shape: TinyTeacherShape) -> UMT5EncoderModel:
+    config = UMT5Config(
+        vocab_size=vocab_size,
+        d_model=shape.text_dim,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=shape.text_relative_max_distance,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return UMT5EncoderModel(config)
+
+
+def _build_vae(shape: TinyTeacherShape) -> AutoencoderKLWan:
+    # 16 latent channels and strides 4 (time) / 8 (space), like the real Wan VAE.
+    return AutoencoderKLWan(
+        base_dim=3,
+        z_dim=16,
+        dim_mult=list(shape.vae_dim_mult),
+        num_res_blocks=shape.vae_num_res_blocks,
+        temperal_downsample=[False, True, True],
+    )
+
+
+def _check_destination(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DistillError(
+            "Cannot write the tiny teacher",
+            f"{out_dir} exists and is a file, not a folder.",
+            fixes=["Choose another output folder."],
+            stage=Stage.SETUP,
+        )
+    if overwrite or not out_dir.is_dir() or not any(out_dir.iterdir()) or is_tiny_teacher(out_dir):
+        return
+    raise DistillError(
+        "Refusing to overwrite a folder that is not a tiny teacher",
+        f"{out_dir} is not empty and does not hold a tiny Wan teacher.\n"
+        f"It contains: {', '.join(present_entries(out_dir)[:12])}",
+        causes=["The path points at a real downloaded teacher or at unrelated files."],
+        fixes=["Choose an empty or new folder.", "Pass overwrite=True (--overwrite) to replace it anyway."],
+        stage=Stage.SETUP,
+    )
+
+
+def _check_saved_index(folder: Path, shape: TinyTeacherShape) -> None:
+    """Fail early if a diffusers change stops save_pretrained from writing the A14B layout."""
+    index = json.loads((folder / "model_index.json").read_text())
+    missing = missing_components(folder, DIFFUSERS_COMPONENTS)
+    if missing or index.get("boundary_ratio") != shape.boundary_ratio or "transformer_2" not in index:
+        raise DistillError(
+            "The tiny teacher was not saved in the Wan 2.2 layout",
+            f"missing: {missing}; model_index.json: {json.dumps(index)}; shape: {asdict(shape)}",
+            causes=["An installed diffusers version saves WanPipeline differently."],
+            fixes=["Install the diffusers version pinned in requirements.txt."],
+            stage=Stage.INTERNAL,
+        )
+
+
+def _move_into_place(staging: Path, out_dir: Path) -> None:
+    """Swap `staging` in as `out_dir`; the old folder is only deleted once the new one is there."""
+    if not out_dir.exists():
+        os.replace(staging, out_dir)
+        return
+    retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    os.replace(out_dir, retired / out_dir.name)
+    os.replace(staging, out_dir)
+    shutil.rmtree(retired, ignore_errors=True)

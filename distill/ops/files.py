@@ -1,0 +1,57 @@
+"""Writing files so that a crash or a full disk never leaves a half-written one behind a complete name.
+
+Checkpoints, exports and caches are written under a temporary name, flushed (`fsync_tree`) and renamed
+into place; `disk_is_full` tells a full disk from other write failures, since torch.save and safetensors
+name it in their own words.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush the files and the folder entry so a rename after it cannot expose empty files."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    if hasattr(os, "O_DIRECTORY"):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def current_umask() -> int:
+    """The process umask (reading it means setting it, so it is set back at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# Free space below which a failed write is put down to a full disk.
+FULL_BELOW_BYTES = 64 * 1024**2
+
+
+def disk_is_full(exc: BaseException, folder: Path) -> bool:
+    """Whether a failed write ran out of space: torch.save says only "iostream error" and
+    safetensors its own words, so the disk itself is asked too."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left" in str(exc):
+        return True
+    try:
+        return shutil.disk_usage(folder if folder.exists() else folder.parent).free < FULL_BELOW_BYTES
+    except OSError:
+        return False
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

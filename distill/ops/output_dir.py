@@ -1,0 +1,100 @@
+"""Output folders: writable before any work starts, and one training run at a time.
+
+Every command checks the folders it will write to before it loads anything (`writable_folder`),
+so a typo in an output path costs seconds, not a rendered video or a trained model.
+
+Two runs in one `--output_dir` (a second launch with another `--lr`, a job started twice by a
+scheduler) would interleave their metrics, prune each other's checkpoints and export whichever
+student finished last. Rank 0 holds an exclusive `flock` on `<output_dir>/.run.lock` for the
+whole run and writes its pid, host and start time into it. The kernel drops the lock when the
+process ends, however it ends, so a crashed or killed run never leaves the folder locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from distill.ops.errors import DistillError, Stage
+
+LOCK_NAME = ".run.lock"
+
+
+def writable_folder(folder: str | Path, flag: str, create: bool = True) -> Path:
+    """`folder`, proven writable, or a DistillError naming `flag`.
+
+    `create`: make the folder now. Without it nothing is left behind: a probe file is written
+    and removed in the folder, or in its nearest existing parent when it does not exist yet.
+    """
+    folder = Path(folder)
+    try:
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        where = folder
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        handle, probe = tempfile.mkstemp(prefix=".write-test-", dir=where)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise DistillError(
+            f"{flag} {folder} is not writable",
+            f"{type(exc).__name__}: {exc}",
+            fixes=["choose a folder you can write to, on a disk with room for what the command writes"],
+            stage=Stage.CONFIG,
+        ) from None
+    return folder
+
+
+@contextlib.contextmanager
+def hold_output_dir(output_dir: Path) -> Iterator[None]:
+    """Hold `output_dir` for this run, or raise naming the run that holds it."""
+    path = output_dir / LOCK_NAME
+    handle = path.open("a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise in_use_error(output_dir, path) from None
+        handle.seek(0)
+        handle.truncate()
+        owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        handle.write(json.dumps(owner) + "\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # releases the lock
+
+
+def in_use_error(output_dir: Path, path: Path) -> DistillError:
+    try:
+        owner = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        owner = {}
+    who = (
+        f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}, started {owner.get('started', '?')}"
+        if owner
+        else "a run that has not written its name yet"
+    )
+    return DistillError(
+        f"--output_dir {output_dir} is in use by another run ({who})",
+        "Two runs in one folder would interleave metrics.jsonl, prune each other's checkpoints and "
+        "overwrite each other's student/. Nothing was changed in the folder.",
+        fixes=[
+            "let that run finish (or stop it: Ctrl-C or SIGTERM saves a checkpoint), then rerun: "
+            "--resume auto continues from its last checkpoint",
+            "or give this run another --output_dir",
+        ],
+        stage=Stage.CONFIG,
+    )

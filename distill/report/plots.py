@@ -1,0 +1,186 @@
+"""The run's pictures: the loss curve (loss.png), the student-vs-teacher report (eval.png) and
+its toy-world panel (the sample grid is distill.sample.media's). matplotlib with the Agg backend, so no display is needed.
+
+    from distill.report.plots import plot_loss; plot_loss("outputs/run1/metrics.jsonl", "outputs/run1/loss.png")
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distill.sample.media import pyplot, save_figure
+
+# ---------------------------------------------------------------------------------------------
+# loss.png
+# ---------------------------------------------------------------------------------------------
+
+
+def read_metrics(metrics_jsonl: str | Path) -> list[dict[str, float]]:
+    """Rows of metrics.jsonl merged by step, later values winning.
+
+    A resumed run logs again the steps after its checkpoint, and those later rows led to the
+    current weights; rows of other kinds (e.g. eval scalars) at the same step add their keys.
+    A line still being written (not yet valid JSON) is skipped.
+    """
+    path = Path(metrics_jsonl)
+    if not path.is_file():
+        return []
+    by_step = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "step" in row:
+            by_step.setdefault(row["step"], {}).update(row)
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def plot_loss(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
+    """loss.png: total loss and the loss of each expert's timestep range against the step.
+
+    Returns None (and writes nothing) when metrics.jsonl has no rows yet.
+    """
+    rows = read_metrics(metrics_jsonl)
+    if not rows:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    series = (
+        ("loss", "total", "black"),
+        ("loss_high_noise", "high-noise range (transformer)", "tab:red"),
+        ("loss_low_noise", "low-noise range (transformer_2)", "tab:blue"),
+        ("critic_loss", "critic (dmd)", "tab:green"),
+    )
+    dmd = any(r.get("critic_loss") is not None for r in rows)
+    for key, label, color in series:
+        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and r[key] > 0]
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, label=label, color=color, linewidth=1.5 if key == "loss" else 1.0)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    # dmd: "total" is the generator's DMD loss (by t' range), the critic's is flow matching
+    ax.set_ylabel("loss" if dmd else "MSE to the guided teacher velocity")
+    ax.set_title("dmd losses: generator and critic" if dmd else "distillation loss")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return save_figure(fig, out_png)
+
+
+# ---------------------------------------------------------------------------------------------
+# eval.png
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_eval(result: dict[str, Any], out_png: str | Path) -> Path:
+    """eval.png from an eval.json dict: denoiser MSE per timestep bucket, sampler PSNR per prompt, cost."""
+    plt = pyplot()
+    toy = result.get("toy")
+    ratios = [2, 1.4, 1] + ([1.6] if toy else [])
+    fig, axes = plt.subplots(
+        1, len(ratios), figsize=(5 * len(ratios), 4), gridspec_kw={"width_ratios": ratios}
+    )
+    _plot_denoiser(axes[0], result["denoiser"], result["boundary_timestep"])
+    _plot_sampler(axes[1], result["sampler"])
+    _plot_cost(axes[2], result["cost"])
+    if toy:
+        plot_toy(axes[3], toy)
+    step = result.get("step")
+    fig.suptitle("student vs teacher" + (f" at step {step}" if step is not None else ""))
+    fig.tight_layout()
+    return save_figure(fig, out_png)
+
+
+def _plot_denoiser(ax: Any, denoiser: dict[str, Any], boundary: float) -> None:
+    buckets = [b for b in denoiser["buckets"] if b["count"]]
+    centres = [(b["t_min"] + b["t_max"]) / 2 for b in buckets]
+    widths = [0.8 * (b["t_max"] - b["t_min"]) for b in buckets]
+    ax.bar(centres, [b["mse"] for b in buckets], width=widths, color="tab:purple")
+    ax.axvline(boundary, color="gray", linestyle="--", linewidth=1, label=f"expert switch (t = {boundary:g})")
+    ax.legend(loc="lower left", fontsize=8)
+    experts = denoiser["by_expert"]
+    ax.set_title(
+        f"denoiser MSE (lower is better)\nhigh-noise {experts['high_noise']['mse']:.4g}, "
+        f"low-noise {experts['low_noise']['mse']:.4g}, all {denoiser['mse']:.4g}",
+        fontsize=10,
+    )
+    ax.set_xlabel("timestep t (1000 = pure noise)")
+    ax.set_ylabel("MSE(student v, guided teacher v)")
+    ax.set_xlim(0, 1000)
+
+
+def _plot_sampler(ax: Any, sampler: dict[str, Any]) -> None:
+    rows = sampler["per_prompt"]
+    positions = list(range(len(rows)))
+    bars = ax.bar(positions, [r["frame_psnr_db"] for r in rows], color="tab:green")
+    ax.set_xticks(positions, [str(r["index"]) for r in rows])
+    for bar, row in zip(bars, rows):
+        ax.annotate(
+            f"latent MSE\n{row['latent_mse']:.3g}",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    ax.set_ylim(0, max([r["frame_psnr_db"] for r in rows] + [1.0]) * 1.3)  # room for the labels
+    ax.set_title(
+        f"sampler PSNR, same noise (higher is better)\nmean {sampler['frame_psnr_db']:.2f} dB, "
+        f"latent MSE {sampler['latent_mse']:.4g}",
+        fontsize=10,
+    )
+    ax.set_xlabel("prompt index")
+    ax.set_ylabel("PSNR of decoded frames (dB)")
+
+
+def _plot_cost(ax: Any, cost: dict[str, Any]) -> None:
+    names = ("teacher", "student")
+    seconds = [cost[n]["seconds_per_sample"] for n in names]
+    bars = ax.bar([0, 1], seconds, color=["tab:gray", "tab:orange"])
+    ax.set_xticks([0, 1], names)
+    for bar, name in zip(bars, names):
+        ax.annotate(
+            f"{cost[name]['forwards_per_sample']:.0f} forwards",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_title(
+        f"cost per sample (speed-up: higher is better)\n{cost['speedup_seconds']:.2f}x time, "
+        f"{cost['speedup_forwards']:.1f}x forwards",
+        fontsize=10,
+    )
+    ax.set_ylabel("seconds per sample")
+
+
+# ---------------------------------------------------------------------------------------------
+# sample grid
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_toy(ax: Any, toy: dict[str, Any]) -> None:
+    """eval.png's toy panel: accuracy and diversity gap of teacher, teacher at the student's steps, student."""
+    names = ("teacher", "teacher_at_student_steps", "student")
+    labels = [
+        f"teacher\n{toy['teacher']['steps']} steps",
+        f"teacher\n{toy['student']['steps']} steps",
+        "student",
+    ]
+    positions = np.arange(len(names))
+    accuracy = [toy[n]["accuracy"] for n in names]
+    gap = [toy[n]["diversity_gap"] or 0.0 for n in names]  # None: no shape found at all
+    ax.bar(positions - 0.2, accuracy, width=0.4, color="tab:blue", label="accuracy (higher is better)")
+    ax.bar(positions + 0.2, gap, width=0.4, color="tab:orange", label="diversity gap (lower is better)")
+    for x, a, g in zip(positions, accuracy, gap):
+        ax.text(x - 0.2, a, f"{a:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.text(x + 0.2, g, f"{g:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.axhline(toy["chance"]["all"], color="gray", linestyle=":", linewidth=1)
+    ax.set_xticks(positions, labels, fontsize=8)
+    ax.set_ylim(0, max(1.1, max(gap) * 1.15))
+    ax.legend(loc="upper right", fontsize=7)
+    ax.set_title(f"toy world: what the pictures show ({toy['prompts']} prompts)", fontsize=10)

@@ -1,0 +1,48 @@
+"""The toy world's entry of the report: when the teacher folder holds `toy_world.json`, teacher and
+student are sampled on the world's prompts and scored by what their pictures show (distill.toy)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distill.toy import world
+from distill.toy.evaluation import EVAL_PROMPTS, toy_report
+
+
+def add_toy_report(
+    result: dict[str, Any] | None,
+    teacher_path: str | Path,
+    student: torch.nn.Module,
+    high: torch.nn.Module,
+    low: torch.nn.Module,
+    settings: Any,
+    output_dir: str | Path,
+    count: int = EVAL_PROMPTS,
+) -> dict[str, Any] | None:
+    """Add `toy` to an eval.json dict (and rewrite eval.json / eval.png) when the teacher is a toy
+    one; otherwise return `result` unchanged. `settings` is the report's EvalSettings; `count`
+    prompts of the world are sampled once each."""
+    if result is None or world.read_world(teacher_path) is None:
+        return result
+    from distill.models.pipelines import scheduler_from_config
+    from distill.report.summary import write_report
+
+    # The student at its own steps and scheduler (a dmd student's K-step one), the teacher at both.
+    own = settings.student_scheduler
+    result["toy"] = toy_report(
+        teacher_path,
+        student,
+        high,
+        low,
+        student_steps=settings.steps_of_student,
+        student_scheduler=scheduler_from_config(own) if own else None,
+        guidance_scale=settings.guidance_scale,
+        guidance_scale_2=settings.guidance_scale_2,
+        seed=settings.seed,
+        count=count,
+    )
+    write_report(result, output_dir)
+    return result

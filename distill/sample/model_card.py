@@ -1,0 +1,283 @@
+"""The model card (README.md with Hugging Face metadata) written into every exported folder.
+
+WanPipeline's defaults (guidance 5.0, 50 steps, 480x832, max_sequence_length 512) sample a
+distilled student wrongly: guidance above 1 applies classifier-free guidance a second time to a
+student that learned the guided velocity, and another prompt length changes the output (no
+attention mask). The card shows the one call that is right for this student, from its
+`run_settings.json`, and the measured fidelity and speed-up when the run evaluated the student.
+
+    write_model_card(folder, settings, "transformer", eval_result)   # student/, student_ema/
+    write_model_card(folder, settings, "pipeline", eval_result)      # pipeline/
+
+A method with its own sampler records it in the RunSettings (num_inference_steps, scheduler,
+scheduler_note) and the card follows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from distill.sample.run_settings import RunSettings, write_run_settings
+
+CARD_FILE = "README.md"
+EXAMPLE_PROMPT = "a red fox trotting through fresh snow at sunrise"
+WAN_DEFAULTS = "guidance 5.0, 50 steps, 480x832, max_sequence_length 512"
+
+
+def learned_guidance(settings: RunSettings) -> bool:
+    """Whether the student already carries the teacher's guidance: a dmd student always (its real
+    score is the guided teacher), a velocity student when the teacher it learned was guided."""
+    guided = max(settings.teacher_guidance_scale, settings.teacher_guidance_scale_2 or 1.0) > 1.0
+    return settings.method != "velocity" or guided
+
+
+def _guidance_advice(settings: RunSettings) -> str:
+    if learned_guidance(settings):
+        return (
+            "Guidance above 1 applies classifier-free guidance a second time to a student that "
+            "already learned the guided velocity."
+        )
+    return (
+        "This student learned the teacher's velocity without guidance (teacher guidance 1), so its "
+        "samples are the teacher's unguided ones, and it has no unconditional branch for guidance "
+        "to push against. It is meant as stage 1 of `--method dmd`, which adds the teacher's "
+        "guidance back through the real score (README, the two-stage recipe)."
+    )
+
+
+def card_metadata(settings: RunSettings) -> Any:
+    """The card's YAML header as huggingface_hub's ModelCardData."""
+    from huggingface_hub import ModelCardData
+
+    tags = ["wan", "wan2.2", "text-to-video", "distillation", f"{settings.method}-distillation"]
+    if settings.num_frames == 1:
+        tags.append("text-to-image")
+    return ModelCardData(
+        library_name="diffusers",
+        pipeline_tag="text-to-video",
+        base_model=settings.base_model,  # None (left out) when the teacher's hub id is unknown
+        tags=tags,
+    )
+
+
+def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
+    """The Python that samples this student correctly; runs as it is (the card's test runs it).
+
+    `kind` is "transformer" (a student/ folder: the pipeline is assembled from the teacher) or
+    "pipeline" (a pipeline/ folder that loads with WanPipeline.from_pretrained alone).
+    """
+    lines = [
+        "import numpy as np",
+        "import torch",
+        "from diffusers import WanPipeline, WanTransformer3DModel",
+        "from diffusers.utils import export_to_video",
+        "from PIL import Image",
+        "",
+        "dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32",
+    ]
+    if kind == "pipeline":
+        lines += [
+            "# this folder: its path here, or the hub id it was uploaded to",
+            f"pipe = WanPipeline.from_pretrained({folder_ref!r}, torch_dtype=dtype)",
+        ]
+    else:
+        lines += [
+            "# this folder: its path here, or the hub id it was uploaded to",
+            f"student = WanTransformer3DModel.from_pretrained({folder_ref!r}, torch_dtype=dtype)",
+            "# tokenizer, text encoder, VAE and scheduler come from the teacher; the student replaces both experts",
+            "pipe = WanPipeline.from_pretrained(",
+            f"    {settings.teacher_path!r},",
+            "    transformer=student,",
+            "    transformer_2=None,",
+            "    boundary_ratio=None,",
+            "    torch_dtype=dtype,",
+            ")",
+        ]
+    if settings.scheduler and kind != "pipeline":  # the pipeline/ folder already holds it
+        name = settings.scheduler["_class_name"]
+        config = {k: v for k, v in settings.scheduler.items() if not k.startswith("_")}
+        lines += [
+            f"from diffusers import {name}",
+            "",
+            f"pipe.scheduler = {name}.from_config({json.dumps(config, sort_keys=True)})",
+        ]
+    lines += [
+        'pipe.to("cuda" if torch.cuda.is_available() else "cpu")',
+        "result = pipe(",
+        f"    prompt={EXAMPLE_PROMPT!r},",
+        f"    height={settings.height},",
+        f"    width={settings.width},",
+        f"    num_frames={settings.num_frames},",
+        f"    num_inference_steps={settings.num_inference_steps},",
+        f"    guidance_scale={settings.guidance_scale!r},  # "
+        + (
+            "the student learned the guided velocity"
+            if learned_guidance(settings)
+            else "distilled without guidance"
+        ),
+        f"    max_sequence_length={settings.max_sequence_length},  # as in training: the padding changes the output",
+        '    generator=torch.Generator("cpu").manual_seed(0),',
+        '    output_type="np",',
+        ")",
+        "frames = result.frames[0]  # (frames, height, width, 3) in [0, 1]",
+    ]
+    if settings.num_frames == 1:
+        lines.append('Image.fromarray((frames[0] * 255).round().astype(np.uint8)).save("sample.png")')
+    else:
+        lines.append('export_to_video(list(frames), "sample.mp4", fps=16)')
+    return "\n".join(lines) + "\n"
+
+
+def _eval_section(result: Mapping[str, Any] | None) -> list[str]:
+    if not result:
+        return [
+            "No evaluation ran with this export. `python -m distill.evaluate --student FOLDER` measures",
+            "fidelity to the teacher and the speed-up (eval.json).",
+        ]
+    cost, sampler, denoiser = result["cost"], result["sampler"], result.get("denoiser")
+    settings = result.get("settings", {})
+    rows = [
+        (
+            "sampler: frame PSNR against the teacher, same noise (higher is better)",
+            f"{sampler['frame_psnr_db']:.2f} dB",
+        ),
+        ("sampler: final-latent MSE against the teacher (lower is better)", f"{sampler['latent_mse']:.4g}"),
+        ("speed-up in transformer forwards (teacher / student)", f"{cost['speedup_forwards']:.2f}x"),
+        ("speed-up in sampling time (teacher / student)", f"{cost['speedup_seconds']:.2f}x"),
+    ]
+    if denoiser:
+        rows.insert(
+            0,
+            (
+                "denoiser: relative MSE to the guided teacher velocity (lower is better)",
+                f"{denoiser['relative_mse']:.4g}",
+            ),
+        )
+    where = (
+        f"step {result.get('step')}, {result.get('num_prompts')} held-out prompts at "
+        f"{settings.get('height')}x{settings.get('width')}, {settings.get('num_frames')} frame(s); teacher "
+        f"{cost['teacher']['steps']} steps with guidance {cost['teacher']['guidance_scale']}, student "
+        f"{cost['student']['steps']} steps at guidance 1"
+    )
+    return [
+        f"Measured by the run's evaluation ({where}):",
+        "",
+        "| measure | value |",
+        "|---|---:|",
+        *[f"| {name} | {value} |" for name, value in rows],
+        "",
+        "Times depend on the device the run used; the forward counts hold anywhere.",
+    ]
+
+
+def model_card_text(
+    settings: RunSettings, kind: str, folder_ref: str, eval_result: Mapping[str, Any] | None = None
+) -> str:
+    """The whole README.md: metadata header, the exact call, what it was trained on, measurements."""
+    from huggingface_hub import ModelCard
+
+    teacher = settings.base_model or settings.teacher_path
+    sampler = settings.scheduler_note or (
+        f"the teacher's scheduler{' ' + settings.scheduler['_class_name'] if settings.scheduler else ''} "
+        f"with {settings.num_inference_steps} steps (more steps follow the teacher more closely, fewer are faster)"
+    )
+    what = "pipeline folder" if kind == "pipeline" else "transformer"
+    body = [
+        f"# Wan 2.2 T2V distilled student ({what})",
+        "",
+        f"A compact `WanTransformer3DModel` distilled from `{teacher}` ({settings.method} distillation,",
+        f"{settings.trained_steps} optimizer steps). It replaces both teacher experts: one model, one forward",
+        "per step, no classifier-free guidance at sampling time.",
+        "",
+        "## Sampling",
+        "",
+        f"Do not use WanPipeline's defaults ({WAN_DEFAULTS}). {_guidance_advice(settings)}",
+        "WanPipeline uses no attention mask over the padded prompt, so another max_sequence_length",
+        "gives another output. This is the call it was trained for:",
+        "",
+        "```python",
+        usage_code(settings, kind, folder_ref).rstrip("\n"),
+        "```",
+        "",
+        f"- guidance_scale **{settings.guidance_scale}**, num_inference_steps **{settings.num_inference_steps}**, "
+        f"max_sequence_length **{settings.max_sequence_length}**",
+        f"- trained at **{settings.height}x{settings.width}**, **{settings.num_frames}** frame(s); other sizes are "
+        "untested (and sizes beyond its rope_max_seq_len fail)",
+        f"- sampler: {sampler}",
+        "",
+        '`python -m distill.generate --student FOLDER --prompt "..." --output out.png` of the wan-distill',
+        "project uses these values by default (from `run_settings.json` in this folder).",
+        "",
+        "## Training",
+        "",
+        f"- teacher: `{teacher}` (both experts, switched at t = {settings.boundary_ratio} x 1000), guidance "
+        f"{settings.teacher_guidance_scale} (high-noise) / {settings.teacher_guidance_scale_2} (low-noise), "
+        f"negative prompt {settings.negative_prompt!r}",
+        f"- clean latents from {settings.teacher_sample_steps} teacher steps; training timesteps with flow "
+        f"shift {settings.flow_shift}",
+        "",
+        "## Evaluation",
+        "",
+        *_eval_section(eval_result),
+    ]
+    header = card_metadata(settings).to_yaml()
+    return str(ModelCard(f"---\n{header}\n---\n\n" + "\n".join(body) + "\n"))
+
+
+def write_model_card(
+    folder: str | Path,
+    settings: RunSettings,
+    kind: str,
+    eval_result: Mapping[str, Any] | None = None,
+    folder_ref: str | None = None,
+) -> Path:
+    """Write `folder`/README.md; `folder_ref` is how the code refers to the folder (default: its
+    absolute path, so the call runs as shown from anywhere on this machine)."""
+    folder = Path(folder)
+    path = folder / CARD_FILE
+    tmp = path.with_name(f".{CARD_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(model_card_text(settings, kind, folder_ref or str(folder.resolve()), eval_result))
+    os.replace(tmp, path)
+    return path
+
+
+def latest_eval(eval_dir: str | Path, ema: bool) -> dict[str, Any] | None:
+    """The newest eval.json under `eval_dir` (<output_dir>/eval/step_*/) made with (or without) EMA weights."""
+    for path in sorted(Path(eval_dir).glob("step_*/eval.json"), reverse=True):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a damaged report is no reason to fail an export
+        if bool(result.get("ema")) == ema:
+            return result
+    return None
+
+
+def document_export(
+    output_dir: str | Path,
+    settings: RunSettings,
+    student_dir: Path | None,
+    ema_dir: Path | None = None,
+    pipeline_dir: Path | None = None,
+) -> list[Path]:
+    """run_settings.json beside and inside every exported folder, and a model card in each of them.
+
+    The pipeline/ folder runs the EMA student when there is one (as the trainer links it).
+    """
+    output_dir = Path(output_dir)
+    folders: Sequence[tuple[Path | None, str, bool]] = (
+        (student_dir, "transformer", False),
+        (ema_dir, "transformer", True),
+        (pipeline_dir, "pipeline", ema_dir is not None),
+    )
+    written = write_run_settings(settings, output_dir)
+    for folder, kind, ema in folders:
+        if folder is None or not folder.is_dir():
+            continue
+        written += write_run_settings(settings, folder)
+        written.append(write_model_card(folder, settings, kind, latest_eval(output_dir / "eval", ema)))
+    return written

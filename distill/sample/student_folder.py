@@ -1,0 +1,138 @@
+"""An exported student folder, as the tools meet it: checked before anything loads, loaded on the
+right device and dtype, and the sizes it (or the teacher) can sample at, with the run's own
+settings as the fix when a size is refused."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distill.models.pipelines import (
+    SizeLimits,
+)
+from distill.models.teacher import TeacherInfo
+from distill.ops.errors import DistillError, Stage
+from distill.sample.run_settings import (
+    RunSettings,
+)
+
+# Used only when the student's run left no run_settings.json (an older export) or for the teacher
+# alone: WanPipeline's resolution, and this project's usual step count and guidance.
+FALLBACK = {"height": 480, "width": 832, "num_frames": 1, "steps": 30, "max_sequence_length": 512}
+
+
+TEACHER_GUIDANCE = (4.0, 3.0)
+
+
+def pick_device(name: str) -> torch.device:
+    """auto = the GPU when torch sees one, else the CPU; asking for CUDA without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise DistillError(
+            f"--device {name}: unknown device", fixes=["use auto, cpu, cuda or cuda:N"], stage=Stage.ARGV
+        )
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise DistillError(
+            f"--device {name} asked for CUDA, but torch sees no GPU",
+            f"torch {torch.__version__}, CUDA build: {torch.version.cuda}",
+            fixes=["use --device auto (or cpu)"],
+            stage=Stage.SETUP,
+        )
+    return torch.device(name)
+
+
+def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dtype: torch.dtype) -> Any:
+    """The exported student, checked against the teacher's latent and text spaces."""
+    from diffusers import WanTransformer3DModel
+
+    from distill.models.student_config import TEACHER_EQUAL_KEYS
+
+    folder = require_student_folder(folder)
+    try:
+        student = WanTransformer3DModel.from_pretrained(folder, torch_dtype=dtype)
+    except Exception as exc:
+        raise DistillError(
+            f"cannot load the student from {folder}",
+            f"{type(exc).__name__}: {exc}",
+            causes=["a truncated or foreign weight file"],
+            fixes=["export the student again (a finished training run writes it)"],
+            stage=Stage.SETUP,
+        ) from None
+    mismatched = [
+        f"{key}: student {student.config.get(key)}, teacher {info.expert_config.get(key)}"
+        for key in TEACHER_EQUAL_KEYS
+        if list(_as_list(student.config.get(key))) != list(_as_list(info.expert_config.get(key)))
+    ]
+    if mismatched:
+        raise DistillError(
+            "the student does not fit this teacher",
+            "; ".join(mismatched),
+            fixes=["pass the teacher the student was distilled from"],
+            stage=Stage.CONFIG,
+        )
+    return student.requires_grad_(False).eval().to(device)
+
+
+def require_student_folder(folder: str | Path, teacher_only: bool = True) -> Path:
+    """`folder` if it holds an exported student (a config.json), else a report saying what it holds.
+
+    `teacher_only`: whether the command has --teacher_only to offer as a way out.
+    """
+    folder = Path(folder)
+    if (folder / "config.json").is_file():
+        return folder
+    if folder.is_dir():
+        found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+        details = f"{folder} has no config.json; it holds: {found}"
+    else:
+        details = f"{folder} does not exist"
+    raise DistillError(
+        f"student folder not found: {folder}",
+        details,
+        causes=["training has not finished (the student is exported at the end)", "a typo in --student"],
+        fixes=[
+            "pass the student/ (or student_ema/) folder that train_distillation.py wrote into --output_dir",
+            *(["or render the teacher alone with --teacher_only"] if teacher_only else []),
+        ],
+        stage=Stage.CONFIG,
+    )
+
+
+def student_limits(folder: str | Path) -> SizeLimits:
+    """The student's size limits, from its config.json alone (nothing is loaded)."""
+    import json
+
+    config_file = require_student_folder(folder) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise DistillError(
+            f"cannot read {config_file}",
+            f"{type(exc).__name__}: {exc}",
+            fixes=["export the student again (a finished training run writes it)"],
+            stage=Stage.CONFIG,
+        ) from None
+    return SizeLimits.of("student", config, config_file)
+
+
+def teacher_limits(info: TeacherInfo) -> SizeLimits:
+    return SizeLimits.of("teacher", info.expert_config, info.path / "transformer" / "config.json")
+
+
+def trained_size_fix(found: tuple[RunSettings, Path] | None) -> list[str]:
+    """The first fix of a size error: the size the student was trained at, when the run says so."""
+    if found is None:
+        return []
+    settings, path = found
+    return [
+        f"sample at the size it was trained at: --height {settings.height} --width {settings.width} "
+        f"--num_frames {settings.num_frames}, or leave the size flags out (they default to {path})"
+    ]
+
+
+def _as_list(value: Any) -> Sequence[Any]:
+    return value if isinstance(value, list | tuple) else [value]

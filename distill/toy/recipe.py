@@ -1,0 +1,39 @@
+"""What decides the toy teacher's trained weights: sizes, steps and rates of the VAE fit and of
+the two experts' training. Recorded in the teacher's toy_world.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides the trained weights (recorded in toy_world.json)."""
+
+    seed: int = 0
+    size: int = 32
+    """Picture width and height in pixels (latents are size / 8)."""
+    boundary_ratio: float = 0.875
+    flow_shift: float = 3.0
+    vae_base_dim: int = 8
+    vae_steps: int = 8000
+    vae_batch: int = 12
+    vae_lr: float = 5e-4
+    vae_latent_noise: float = 0.05
+    num_latents: int = 16384
+    """Pictures encoded once for the experts' training."""
+    expert_steps: int = 8000
+    expert_batch: int = 128
+    expert_lr: float = 1e-3
+    text_dropout: float = 0.15
+    expert_overlap: float = 0.03
+    """Each expert also trains this far (in sigma) past the boundary."""
+    heads: int = 2
+    head_dim: int = 48
+    ffn_dim: int = 256
+    layers: int = 3
+    text_dim: int = 32
+    guidance_scale: float = 4.0
+    guidance_scale_2: float = 3.0
+    sample_steps: int = 20
+    """The teacher's full step count (UniPC)."""

@@ -1,0 +1,456 @@
+"""The distillation run: checks, caches, the teacher and the trained models, then the loop and export.
+
+`Distiller.run()` validates what it can before loading anything heavy, fills the prompt-embedding
+and clean-latent caches, loads and places the teacher, builds the student (and whatever else the
+method trains, e.g. the dmd critic), and hands them to `distill.train.loop.TrainingLoop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distill.config.cli import save_resolved_config
+from distill.config.settings import TrainConfig
+from distill.data.caches import TensorCache
+from distill.data.dataset import DistillationDataset
+from distill.data.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
+from distill.data.prompts import read_prompts
+from distill.models.original.configs import check_original_exportable
+from distill.models.student import build_student, init_student_from_teacher, load_pretrained_student
+from distill.models.student_config import load_student_config
+from distill.models.teacher import (
+    GuidedTeacher,
+    TeacherInfo,
+    inspect_teacher,
+    load_expert,
+    place_expert,
+    resolve_dtype,
+)
+from distill.ops import distributed as dist_utils
+from distill.ops.distributed import DistContext
+from distill.ops.errors import DistillError, Progress, Stage
+from distill.ops.output_dir import hold_output_dir, writable_folder
+from distill.report.monitor import SampleMonitor, SampleSettings
+from distill.train import checkpoint as ckpt
+from distill.train.loop import RunResult, TrainingLoop
+from distill.train.methods import method_class
+from distill.train.plan import choose_placement, memory_plan
+
+
+def available_host_memory() -> int:
+    """Free host RAM in bytes (what a new allocation can use without swapping)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62  # unknown: do not stagger
+
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks before any heavy work
+# ---------------------------------------------------------------------------------------------
+
+
+def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[str, Any]) -> None:
+    """Refuse a training size the teacher or the student cannot denoise (see check_sample_size)."""
+    from distill.models.pipelines import SizeLimits, check_sample_size
+
+    check_sample_size(
+        cfg.height,
+        cfg.width,
+        cfg.num_frames,
+        info.vae_scale_spatial,
+        info.vae_scale_temporal,
+        [
+            SizeLimits.of("teacher", info.expert_config, info.path / "transformer" / "config.json"),
+            SizeLimits.of("student", student_config, cfg.student_config),
+        ],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+class Distiller:
+    """Holds everything a run needs; `run()` goes from caches to exported student."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext | None = None) -> None:
+        self.cfg = cfg
+        self.ctx = ctx if ctx is not None else dist_utils.setup("auto", cfg.device)
+        self.device = self.ctx.device
+        self.is_main = self.ctx.is_main
+        # An original-layout teacher is converted once, next to the run's cache (storage all ranks share).
+        self.info = inspect_teacher(
+            cfg.teacher_path, cfg.boundary_ratio, convert_dir=cfg.resolved_cache_dir / "teacher"
+        )
+        # Refuse a student that cannot work with this teacher before loading anything heavy.
+        self.student_config = load_student_config(cfg.student_config, self.info.expert_config)
+        if "original" in cfg.export_formats.split(","):  # refused now, not after training
+            check_original_exportable(
+                self.student_config,
+                f"the student of {cfg.student_config} (--export_formats original)",
+                Stage.CONFIG,
+            )
+        check_resolution(cfg, self.info, self.student_config)
+        self.prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]
+        self.teacher_dtype = resolve_dtype(cfg.teacher_dtype, self.device)
+        self.shift = cfg.flow_shift if cfg.flow_shift is not None else self.info.flow_shift
+        # Refuse a bad critic config (dmd) before anything heavy, too.
+        self.model_specs = self.resolve_model_specs()
+        self.placement, self.placement_reason = choose_placement(
+            cfg, self.info, self.student_config, self.device, self.ctx.world_size, self.critic_config
+        )
+        self.early_models: dict[str, torch.nn.Module] = {}
+        self._identity: dict[str, Any] | None = None
+        # Reads the sample/eval prompt files now, so a bad path fails before anything heavy loads.
+        settings = SampleSettings.from_config(cfg)
+        settings.validate()
+        self.monitor = SampleMonitor(
+            settings,
+            self.info,
+            cfg.output_dir,
+            self.device,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+            barrier=dist_utils.barrier,
+        )
+
+    def plan(self) -> str:
+        world = self.cfg.plan_world_size or self.ctx.world_size
+        local_world = min(
+            world, int(os.environ.get("LOCAL_WORLD_SIZE", 8 if self.cfg.plan_world_size else 1))
+        )
+        placement = (self.placement, self.placement_reason)
+        if self.cfg.plan_world_size and self.cfg.plan_world_size != self.ctx.world_size:
+            placement = choose_placement(
+                self.cfg, self.info, self.student_config, self.device, world, self.critic_config
+            )
+        return memory_plan(
+            self.cfg,
+            self.info,
+            self.student_config,
+            self.device,
+            world,
+            local_world,
+            chosen=placement,
+            critic_config=self.critic_config,
+        )
+
+    @property
+    def critic_config(self) -> dict[str, Any] | None:
+        return self.model_specs["critic"][0] if "critic" in self.model_specs else None
+
+    # -- preparation -----------------------------------------------------------------------
+    def _open_shared(self, make_cache: Any) -> TensorCache:
+        """Rank 0 creates the cache folder and its settings first; the others then check them."""
+        cache = make_cache() if self.is_main else None
+        dist_utils.barrier()
+        return cache if cache is not None else make_cache()
+
+    def _require_complete(self, cache: TensorCache, prompts: list[str]) -> None:
+        missing = cache.missing(prompts)
+        if missing:
+            raise DistillError(
+                f"the {cache.what} cache {cache.folder} lacks {len(missing)} entr(y/ies) after every rank built its share",
+                f"first missing prompt: {missing[0]!r}",
+                causes=[
+                    "another rank failed while building its share",
+                    "ranks see different --cache_dir contents",
+                ],
+                fixes=["put --cache_dir on storage every rank shares", "rerun: finished entries are kept"],
+                stage=Stage.DATA,
+            )
+
+    def prepare_caches(
+        self, result: RunResult
+    ) -> tuple[TensorCache, TensorCache, torch.Tensor, GuidedTeacher]:
+        cfg, rank, world = self.cfg, self.ctx.rank, self.ctx.world_size
+        Progress.enter(Stage.DATA)
+        everything = list(dict.fromkeys([*self.prompts, cfg.negative_prompt, *self.monitor.prompts]))
+        embeddings = self._open_shared(lambda: embedding_cache(cfg, self.info, self.teacher_dtype))
+        result.embeddings_built = fill_embedding_cache(
+            embeddings,
+            everything[rank::world],
+            self.info,
+            cfg.max_sequence_length,
+            self.device,
+            self.teacher_dtype,
+            show_progress=self.is_main,
+        )
+        dist_utils.barrier()
+        self._require_complete(embeddings, everything)
+        negative = embeddings.get(cfg.negative_prompt)
+
+        Progress.enter(Stage.TEACHER_LOAD)
+        high, low = self.load_teacher_experts()
+        Progress.enter(Stage.DATA)
+        latents = self._open_shared(lambda: latent_cache(cfg, self.info, self.teacher_dtype, embeddings))
+        result.latents_built = fill_latent_cache(
+            latents,
+            self.prompts[rank::world],
+            embeddings,
+            negative,
+            cfg,
+            self.info,
+            high,
+            low,
+            self.device,
+            self.is_main,
+            lockstep_placeholder=self.prompts[0] if self.placement == "shard" else None,
+        )
+        dist_utils.barrier()
+        self._require_complete(latents, self.prompts)
+        teacher = GuidedTeacher(
+            high,
+            low,
+            self.info.boundary_ratio,
+            cfg.guidance_scale,
+            cfg.guidance_scale_2,
+            self.device,
+            self.teacher_dtype,
+            lockstep=self.placement == "shard",
+        )
+        return embeddings, latents, negative, teacher
+
+    def teacher_load_waves(self) -> int:
+        """How many groups of this node's ranks load the experts one after the other.
+
+        Each rank reads an expert into host RAM before moving it to its GPU. Eight ranks doing that
+        at once with 28 GB experts is how nodes get SIGKILLed by the OOM killer without a word, so
+        ranks load in waves sized to the free host memory (--teacher_load_concurrency overrides).
+        """
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self.cfg.teacher_load_concurrency:
+            per_wave = self.cfg.teacher_load_concurrency
+        else:
+            bytes_per_rank = self.info.expert_bytes(self.teacher_dtype)
+            per_wave = max(1, int(0.8 * available_host_memory() // max(bytes_per_rank, 1)))
+        return math.ceil(local_world / min(per_wave, local_world))
+
+    def load_teacher_experts(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        cfg, device = self.cfg, self.device
+        local_rank, waves = self.ctx.local_rank, self.teacher_load_waves()
+        per_wave = math.ceil(int(os.environ.get("LOCAL_WORLD_SIZE", "1")) / waves)
+        experts: tuple[torch.nn.Module, torch.nn.Module] | None = None
+        for wave in range(waves):  # every rank passes every barrier, loading in its own wave
+            if local_rank // per_wave == wave:
+                if waves > 1:
+                    logger.warning("loading the teacher experts (wave %d of %d)", wave + 1, waves)
+                high = load_expert(self.info, "transformer", self.teacher_dtype)
+                low = load_expert(self.info, "transformer_2", self.teacher_dtype)
+                for name, (config, init) in self.model_specs.items():
+                    if init == "teacher":  # before placement: a sharded expert has no whole tensors
+                        self.early_models[name] = self.init_from_teacher(
+                            config, high if cfg.student_init_expert == "high" else low, name
+                        )
+                shard_over = self.ctx.world_size if self.placement == "shard" else 0
+                on_cpu = self.placement == "cpu"
+                experts = (
+                    place_expert(high, device, on_cpu, shard_over),
+                    place_expert(low, device, on_cpu, shard_over),
+                )
+            if waves > 1:
+                dist_utils.barrier()
+        assert experts is not None
+        return experts
+
+    def init_from_teacher(
+        self, config: dict[str, Any], expert: torch.nn.Module, name: str = "student"
+    ) -> torch.nn.Module:
+        model = build_student(config, seed=self.cfg.seed)
+        report = init_student_from_teacher(model, expert)
+        logger.info("%s initialised from the %s-noise expert: %s", name, self.cfg.student_init_expert, report)
+        return model
+
+    def resolve_model_specs(self) -> dict[str, tuple[dict[str, Any], str]]:
+        """(config, init) of every trained model: the student, and what the method adds (dmd: a critic,
+        by default the student's shape, initialised like the student)."""
+        cfg = self.cfg
+        specs = {"student": (self.student_config, cfg.student_init)}
+        for name, (config_path, init) in method_class(cfg.method).extra_models(cfg).items():
+            config = (
+                load_student_config(config_path, self.info.expert_config)
+                if config_path
+                else self.student_config
+            )
+            specs[name] = (config, init or cfg.student_init)
+        return specs
+
+    def make_model(self, name: str = "student") -> torch.nn.Module:
+        cfg = self.cfg
+        config, init = self.model_specs[name]
+        if init == "teacher":
+            model = self.early_models.pop(name)
+        elif init == "random":
+            model = build_student(config, seed=cfg.seed)
+        else:
+            model = load_pretrained_student(init, self.info.expert_config)
+            shape_keys = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")
+            loaded = {k: model.config.get(k) for k in shape_keys}
+            wanted = {k: config.get(k) for k in shape_keys}
+            if loaded != wanted:
+                flag = "--student_init" if name == "student" else f"--{name}_init"
+                raise DistillError(
+                    f"{flag} {init} has another shape than the {name} config",
+                    f"{init}: {loaded}\nconfig: {wanted}",
+                    fixes=[f"pass a {name} config matching {init}, or another {flag}"],
+                    stage=Stage.CONFIG,
+                )
+        if cfg.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        return model.to(self.device).train()
+
+    def make_student(self) -> torch.nn.Module:
+        return self.make_model("student")
+
+    def teacher_noise_for_regression(self) -> Any:
+        """prompt -> the initial noise the teacher sampled its cached clean latent from (dmd regression)."""
+        if self.cfg.method != "dmd" or not self.cfg.regression_weight:
+            return None
+        from distill.data.prepare import prompt_seed
+        from distill.models.pipelines import initial_noise
+
+        shape = self.info.latent_shape(self.cfg.height, self.cfg.width, self.cfg.num_frames)
+        return lambda prompt: initial_noise(shape, prompt_seed(self.cfg.seed, prompt))[0]
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must agree with to be resumed by this run (computed once: every save
+        stores it, and the teacher fingerprint reads the weight files)."""
+        if self._identity is not None:
+            return self._identity
+        identity = {
+            "student_config": self.student_config,
+            "teacher": self.info.fingerprint("transformer", "transformer_2"),
+            "prompts": hashlib.sha256("\n".join(self.prompts).encode()).hexdigest()[:16],
+            # What the student regresses onto: another value is another objective (as resolved,
+            # so --flow_shift 3.0 equals a teacher default of 3.0). Keys are the option names.
+            "target": {
+                "guidance_scale": self.cfg.guidance_scale,
+                "guidance_scale_2": self.cfg.guidance_scale_2,
+                "negative_prompt": self.cfg.negative_prompt,
+                "flow_shift": self.shift,
+                "boundary_ratio": self.info.boundary_ratio,
+                "max_sequence_length": self.cfg.max_sequence_length,
+            },
+            "method": self.cfg.method,
+            **method_class(self.cfg.method).identity(self.cfg),
+        }
+        self._identity = json.loads(
+            json.dumps(identity)
+        )  # as it reads back from meta.json (tuples become lists)
+        return self._identity
+
+    def check_checkpoint(self, path: Path, meta: dict[str, Any]) -> None:
+        """Refuse to resume a checkpoint made for another student, teacher or prompt set (unless forced)."""
+        expected = self.identity()
+        for key, value in expected.items():
+            saved = meta.get("identity", {}).get(key)
+            if key == "method" and saved is None:
+                saved = "velocity"  # checkpoints from before --method existed
+            if saved == value:
+                continue
+            if key == "target" and saved is None:
+                logger.warning("checkpoint %s does not record its training target; not checked", path)
+                continue
+            if isinstance(value, dict) and isinstance(saved, dict):
+                keys = sorted(k for k in set(saved) | set(value) if saved.get(k) != value.get(k))
+                saved, value = {k: saved.get(k) for k in keys}, {k: value.get(k) for k in keys}
+            what = key.replace("_", " ")
+            if key == "target":  # name the options that changed
+                what = "training target: " + ", ".join(f"--{k}" for k in value)
+            if self.cfg.force_resume:
+                logger.warning(
+                    "resuming %s although it was made with a different %s (--force_resume)", path, what
+                )
+                continue
+            raise DistillError(
+                f"checkpoint {path} was made with a different {what}",
+                f"checkpoint: {saved}\nthis run:   {value}",
+                fixes=[
+                    "resume with the settings the checkpoint was made with",
+                    "or start fresh in another --output_dir",
+                    "or pass --force_resume if the change is intended (the weights are loaded as they are)",
+                ],
+                stage=Stage.CHECKPOINT,
+            )
+
+    def check_output_dir(self) -> None:
+        """Before any heavy work: never overwrite another run's checkpoints, never resume a foreign one."""
+        complete = ckpt.complete_checkpoints(ckpt.checkpoint_root(self.cfg.output_dir))
+        if self.cfg.resume == "none":
+            if complete:
+                raise DistillError(
+                    f"--output_dir {self.cfg.output_dir} already holds checkpoints (newest: {complete[-1].name})",
+                    "--resume none would start over and then overwrite and prune them.",
+                    fixes=[
+                        "continue that run: --resume auto",
+                        "or start this one in another --output_dir",
+                        f"or delete {ckpt.checkpoint_root(self.cfg.output_dir)} if it is no longer needed",
+                    ],
+                    stage=Stage.CHECKPOINT,
+                )
+            return
+        candidate = (
+            Path(self.cfg.resume) if self.cfg.resume != "auto" else (complete[-1] if complete else None)
+        )
+        if candidate is not None and (candidate / "meta.json").is_file():
+            self.check_checkpoint(candidate, json.loads((candidate / "meta.json").read_text()))
+
+    # -- training --------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        out = writable_folder(self.cfg.output_dir, "--output_dir")
+        # Rank 0 holds the folder (the other ranks belong to the same run); released however run() ends.
+        with hold_output_dir(out) if self.is_main else contextlib.nullcontext():
+            return self._run(out)
+
+    def _run(self, out: Path) -> RunResult:
+        cfg = self.cfg
+        self.check_output_dir()
+        if self.is_main:
+            logger.info("plan:\n%s", self.plan())
+        result = RunResult(output_dir=out)
+        embeddings, latents, negative, teacher = self.prepare_caches(result)
+        dataset = DistillationDataset(
+            self.prompts, latents, embeddings, cfg.max_sequence_length, self.teacher_noise_for_regression()
+        )
+        student = self.make_student()
+        extra = {name: self.make_model(name) for name in self.model_specs if name != "student"}
+        loop = TrainingLoop(cfg, self, student, teacher, dataset, negative, out, extra)
+        result.resumed_from = loop.maybe_resume()
+        if self.is_main:  # only once the run is known to go ahead: a refused resume keeps the old one
+            save_resolved_config(cfg, out / "run_config.json")
+        loop.train(result)
+        if result.history and result.last_loss is None and result.stopped_by_signal is None:
+            raise DistillError(
+                f"every step of this run was skipped: {result.bad_steps} step(s) with a non-finite loss or gradient",
+                "Nothing was learned, so nothing is exported; the checkpoints written before are kept.",
+                causes=[
+                    "learning rate too high",
+                    "fp16 overflow",
+                    "non-finite teacher outputs or cached latents",
+                ],
+                fixes=[
+                    "lower --lr (or use --mixed_precision bf16), then rerun with --resume auto",
+                    "--max_bad_steps N stops such a run after N skipped steps in a row",
+                ],
+                stage=Stage.TRAINING,
+            )
+        if result.stopped_by_signal is None:
+            result.student_dir, result.ema_dir = loop.export()
+        # No rank leaves before rank 0 has finished writing: under torchrun the first rank to exit
+        # with a non-zero code (75 after a preemption) makes the agent stop the others.
+        dist_utils.barrier()
+        return result
