@@ -159,7 +159,10 @@ def run(argv: list[str]) -> int:
         print(f"done: {result.steps} steps, nothing left to train")
     else:
         print(f"done: {result.steps} steps, loss {result.first_loss:.4g} -> {result.last_loss:.4g}")
-    print(f"student (diffusers format): {result.student_dir}")
+    if result.student_dir is not None and result.student_dir.name.startswith("lora"):
+        print(f"LoRA adapters (both experts): {result.student_dir}  (Wan-format copies in comfyui/)")
+    else:
+        print(f"student (diffusers format): {result.student_dir}")
     if result.ema_dir:
         print(f"EMA student:               {result.ema_dir}")
     print(f"metrics:                   {result.output_dir / 'metrics.jsonl'}")

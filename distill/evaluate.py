@@ -182,10 +182,12 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
 
 def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     from distill.data.prompts import read_prompts
+    from distill.models.lora_files import is_lora_folder
     from distill.models.pipelines import check_sample_size, encode_prompts
     from distill.models.teacher import inspect_teacher, load_expert
     from distill.ops.output_dir import writable_folder
     from distill.sample.student_folder import (
+        load_lora_student,
         load_student,
         pick_device,
         require_student_folder,
@@ -218,7 +220,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         args.num_frames,
         info.vae_scale_spatial,
         info.vae_scale_temporal,
-        [student_limits(student_dir), teacher_limits(info)],
+        [student_limits(student_dir, info), teacher_limits(info)],
         fixes=trained_size_fix(found),
     )
     logger.info(
@@ -238,12 +240,16 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     prompts = read_prompts(args.prompts, "--prompts")[: args.max_prompts]
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    student = load_student(student_dir, info, device, dtype)
+    if is_lora_folder(student_dir):  # the teacher's own experts: loaded once, adapters on for the student
+        student, high, low = load_lora_student(student_dir, info, device, dtype)
+    else:
+        student = load_student(student_dir, info, device, dtype)
     embeddings = encode_prompts(
         info.path, [*prompts, args.negative_prompt], args.max_sequence_length, device, dtype
     )
-    high = load_expert(info, "transformer", dtype).to(device)
-    low = load_expert(info, "transformer_2", dtype).to(device)
+    if not is_lora_folder(student_dir):
+        high = load_expert(info, "transformer", dtype).to(device)
+        low = load_expert(info, "transformer_2", dtype).to(device)
     settings = EvalSettings(
         height=args.height,
         width=args.width,

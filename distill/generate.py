@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from distill.config.settings import finite_float
+from distill.models.lora_files import FILES, is_lora_folder
 from distill.models.pipelines import (
     check_sample_size,
     load_scheduler,
@@ -167,19 +168,31 @@ def build_pipeline(
     """
     from distill.models.teacher import load_expert
 
-    if not args.teacher_only:
+    lora = not args.teacher_only and is_lora_folder(args.student)
+    if not args.teacher_only and not lora:
         student = load_student(args.student, info, device, dtype)  # first: a bad --student fails fast
     tokenizer, text_encoder = load_text_components(info.path, device, dtype)
     shared = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": load_vae(info.path, device)}
-    if args.teacher_only:
+    if args.teacher_only or lora:
         high = load_expert(info, "transformer", dtype).to(device)
         low = load_expert(info, "transformer_2", dtype).to(device)
-        return teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path), **shared)
+        pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path), **shared)
+        if not lora:
+            return pipe
+        # A LoRA run: the teacher with its adapters, loaded as stock diffusers loads them.
+        folder = str(args.student)
+        pipe.load_lora_weights(folder, weight_name=FILES["high"], adapter_name="fast")
+        pipe.load_lora_weights(
+            folder, weight_name=FILES["low"], adapter_name="fast_2", load_into_transformer_2=True
+        )
     if run is not None and run.scheduler:
         scheduler = scheduler_from_config(run.scheduler)
         logger.info("the student samples with its run's %s (%s)", type(scheduler).__name__, run.method)
     else:
         scheduler = load_scheduler(info.path)
+    if lora:
+        pipe.scheduler = scheduler
+        return pipe
     return student_pipeline(student, scheduler, **shared)
 
 
@@ -220,7 +233,7 @@ def generate(args: argparse.Namespace) -> list[Path]:
     for folder in dict.fromkeys(target.parent for target in targets):  # before anything renders
         writable_folder(folder, "--output", create=False)
     info = inspect_teacher(args.teacher_path)
-    model = teacher_limits(info) if args.teacher_only else student_limits(args.student)
+    model = teacher_limits(info) if args.teacher_only else student_limits(args.student, info)
     check_sample_size(
         args.height,
         args.width,

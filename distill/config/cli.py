@@ -164,6 +164,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 # schedule of published Wan-scale DMD runs (generator 2e-6, critic 4e-7, constant). The velocity
 # method's 1e-4 with cosine decay is about 50x too hot for a generator and its critic at 14B scale.
 DMD_DEFAULTS: dict[str, Any] = {"lr": 2e-6, "critic_lr": 4e-7, "lr_scheduler": "constant"}
+# With --student_lora_rank the generator trains adapters, which need the rate published few-step
+# Wan LoRAs were trained at (1e-4); a LoRA critic takes the same, a full critic keeps DMD's own.
+DMD_LORA_DEFAULTS: dict[str, Any] = {"lr": 1e-4, "critic_lr": 1e-4, "lr_scheduler": "constant"}
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
@@ -187,7 +190,12 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
                 name, f"must be a {base.__name__}, got {value!r}", f"fix '{name}' in {given.config}"
             )
     if values.get("method") == "dmd":
-        values = {**DMD_DEFAULTS, **values}
+        defaults = dict(DMD_DEFAULTS)
+        if values.get("student_lora_rank"):
+            defaults.update(DMD_LORA_DEFAULTS)
+            if values.get("critic_lora_rank") == 0:
+                defaults["critic_lr"] = DMD_DEFAULTS["critic_lr"]
+        values = {**defaults, **values}
     cfg = TrainConfig(**values)
     if cfg.num_steps is None and cfg.num_epochs is None:
         cfg.num_steps = 1000

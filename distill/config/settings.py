@@ -3,6 +3,9 @@
 Every setting is a field of `TrainConfig` with its help text beside it, so the CLI, the config
 file, `--help` and the resolved `run_config.json` written next to the student all come from the
 same place. Precedence: defaults < `--config FILE` < command-line flags.
+
+Longer than 500 lines because every setting is a field here with its help text, and the checks
+that span several fields sit beside them: one place says what a flag means and when it is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from distill.ops.errors import DistillError, Stage
+
+# Modules of each Wan block that can take LoRA adapters (diffusers names): q/k/v/o of self- and
+# cross-attention and both FFN linears, what the published few-step Wan LoRAs cover.
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **extra: Any) -> Any:
@@ -98,6 +105,25 @@ class TrainConfig:
         "low", "Which expert --student_init teacher copies from.", ("high", "low")
     )
     gradient_checkpointing: bool = _opt(False, "Recompute student activations in backward to save memory.")
+    student_lora_rank: int = _opt(
+        0,
+        "> 0: the student is the teacher's own two experts with LoRA adapters of this rank, each expert's "
+        "adapter trained on its own timesteps; exported as lora/high_noise_lora.safetensors and "
+        "lora/low_noise_lora.safetensors (no --student_config or --student_init with it).",
+    )
+    student_lora_alpha: float | None = _opt(
+        None, "LoRA alpha of the student's adapters (scale alpha / rank; default: the rank, scale 1)."
+    )
+    student_lora_targets: str = _opt(
+        ",".join(LORA_TARGETS),
+        "Comma-separated module names of each block that get adapters (self- and cross-attention "
+        "q/k/v/o and both FFN linears by default).",
+    )
+    critic_lora_rank: int | None = _opt(
+        None,
+        "dmd with --student_lora_rank: rank of the critic's own adapters on the same frozen experts "
+        "(default: the student's rank); 0 trains a full copy of both experts instead (more memory).",
+    )
 
     # --- method ------------------------------------------------------------------------------
     method: str = _opt(
@@ -125,7 +151,8 @@ class TrainConfig:
     )
     critic_updates: int = _opt(5, "dmd: critic updates per generator update.")
     critic_lr: float | None = _opt(
-        None, "dmd: peak learning rate of the critic's AdamW (default with --method dmd: 4e-7)."
+        None,
+        "dmd: peak learning rate of the critic's AdamW (default with --method dmd: 4e-7; a LoRA critic: 1e-4).",
     )
     critic_betas: str = _opt("0,0.999", "dmd: AdamW betas of the critic, as 'beta1,beta2'.")
     generator_betas: str = _opt(
@@ -154,7 +181,9 @@ class TrainConfig:
     gradient_accumulation_steps: int = _opt(1, "Micro-steps per optimizer step.")
     num_steps: int | None = _opt(None, "Optimizer steps to run (default 1000 unless --num_epochs is given).")
     num_epochs: int | None = _opt(None, "Passes over the prompts; used when --num_steps is not given.")
-    lr: float = _opt(1e-4, "Peak learning rate of AdamW (default with --method dmd: 2e-6).")
+    lr: float = _opt(
+        1e-4, "Peak learning rate of AdamW (default with --method dmd: 2e-6; with --student_lora_rank: 1e-4)."
+    )
     lr_scheduler: str = _opt(
         "cosine",
         "Learning-rate shape after warm-up (default with --method dmd: constant).",
@@ -230,7 +259,9 @@ class TrainConfig:
     export_formats: str = _opt(
         "diffusers",
         "Comma-separated student export formats: diffusers (student/, always written) and original "
-        "(also student_original.safetensors with Wan's own key names, for Wan's code and ComfyUI).",
+        "(also student_original.safetensors with Wan's own key names, for Wan's code and ComfyUI); with "
+        "--student_lora_rank, lora/ is always written and merged adds merged/transformer and "
+        "merged/transformer_2, the experts with the adapters merged in.",
     )
     force_resume: bool = _opt(
         False,
@@ -261,7 +292,10 @@ class TrainConfig:
                     f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}",
                     f"set --{f.name} to one of {', '.join(choices)}",
                 )
+        self._validate_lora()
         for name in ("teacher_path", "student_config", "data_path", "output_dir"):
+            if name == "student_config" and self.student_lora_rank:
+                continue  # the student is the teacher's experts
             if not getattr(self, name):
                 raise config_error(name, "is required", f"pass --{name} (or set '{name}' in --config)")
         positive = [
@@ -289,12 +323,19 @@ class TrainConfig:
                 raise config_error(
                     name, f"must be a positive integer, got {value}", f"set --{name} to 1 or more"
                 )
-        unknown_formats = set(self.export_formats.split(",")) - {"diffusers", "original"}
+        unknown_formats = set(self.export_formats.split(",")) - {"diffusers", "original", "merged"}
         if unknown_formats:
             raise config_error(
                 "export_formats",
                 f"has unknown format(s) {', '.join(sorted(unknown_formats))}",
-                "use --export_formats diffusers or --export_formats diffusers,original",
+                "use --export_formats diffusers or --export_formats diffusers,original "
+                "(with --student_lora_rank: diffusers,merged)",
+            )
+        if "merged" in self.export_formats.split(",") and not self.student_lora_rank:
+            raise config_error(
+                "export_formats",
+                "merged writes the teacher's experts with a LoRA student's adapters merged in; this run has none",
+                "add --student_lora_rank, or drop merged",
             )
         if self.dist_timeout <= 0:
             raise config_error("dist_timeout", "must be positive (minutes)", "try --dist_timeout 60")
@@ -362,10 +403,84 @@ class TrainConfig:
                     f.name, f"must be a finite number, got {value}", f"give --{f.name} a number{default}"
                 )
 
+    def _validate_lora(self) -> None:
+        if self.student_lora_rank < 0:
+            raise config_error(
+                "student_lora_rank", "must be 0 (off) or positive", "try --student_lora_rank 64"
+            )
+        if not self.student_lora_rank:
+            for name in ("student_lora_alpha", "critic_lora_rank"):
+                if getattr(self, name) is not None:
+                    raise config_error(
+                        name, "needs --student_lora_rank", f"add --student_lora_rank 64, or drop --{name}"
+                    )
+            return
+        given = {
+            "student_config": self.student_config is not None,
+            "student_init": self.student_init != "random",
+            "critic_config": self.critic_config is not None,
+            "critic_init": self.critic_init is not None,
+        }
+        for name, present in given.items():
+            if present:
+                raise config_error(
+                    name,
+                    "cannot be combined with --student_lora_rank: the student (and the critic) are the "
+                    "teacher's own experts with adapters",
+                    f"drop --{name}, or drop --student_lora_rank to distil into a separate student",
+                )
+        if self.student_lora_alpha is not None and self.student_lora_alpha <= 0:
+            raise config_error("student_lora_alpha", "must be positive", "leave it out (alpha = rank)")
+        if self.critic_lora_rank is not None and self.critic_lora_rank < 0:
+            raise config_error(
+                "critic_lora_rank", "must be 0 (a full critic) or positive", "try --critic_lora_rank 64"
+            )
+        if self.critic_lora_rank is not None and self.method != "dmd":
+            raise config_error(
+                "critic_lora_rank", "only --method dmd trains a critic", "drop --critic_lora_rank"
+            )
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or not self.lora_targets:
+            raise config_error(
+                "student_lora_targets",
+                f"has unknown module name(s) {', '.join(unknown) or '(none given)'}",
+                f"choose among {','.join(LORA_TARGETS)}",
+            )
+        if "original" in self.export_formats.split(","):
+            raise config_error(
+                "export_formats",
+                "original writes a separate student; a LoRA run exports adapters (lora/, with Wan-format "
+                "keys in lora/comfyui/)",
+                "drop original from --export_formats",
+            )
+        if self.teacher_placement in ("cpu", "shard"):
+            raise config_error(
+                "teacher_placement",
+                f"{self.teacher_placement} is not available with --student_lora_rank yet: the adapters "
+                "train inside the teacher's experts, which must then sit whole on the training device",
+                "use --teacher_placement gpu (or auto)",
+            )
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.student_lora_targets.split(",") if t.strip())
+
+    @property
+    def lora_alpha(self) -> float:
+        """The student's LoRA alpha as used: --student_lora_alpha, else the rank (scale 1)."""
+        return (
+            self.student_lora_alpha if self.student_lora_alpha is not None else float(self.student_lora_rank)
+        )
+
+    @property
+    def critic_adapter_rank(self) -> int:
+        """The dmd critic's adapter rank with --student_lora_rank; 0 means a full copy of the experts."""
+        return self.student_lora_rank if self.critic_lora_rank is None else self.critic_lora_rank
+
     def _validate_method(self) -> None:
         if self.method != "dmd":
             return
-        if self.student_init == "random":
+        if self.student_init == "random" and not self.student_lora_rank:
             raise DistillError(
                 "--method dmd needs a student that can already denoise: --student_init is random",
                 "Distribution matching sharpens a generator; it does not teach one from nothing. A random "

@@ -215,9 +215,16 @@ def student_pipeline(student: torch.nn.Module, scheduler: Any, **components: Any
     """WanPipeline running the student alone (sample it with guidance_scale=1.0).
 
     `components` may add tokenizer, text_encoder and vae; without them pass prompt embeddings and
-    ask for output_type="latent".
+    ask for output_type="latent". A LoRA student (the teacher's experts with its adapters) samples
+    as the teacher does, both experts switched at the boundary, with its adapters on.
     """
     from diffusers import WanPipeline
+
+    from distill.models.lora import RoutedModel
+
+    if isinstance(student, RoutedModel):
+        high, low = student.sampling_experts()
+        return teacher_pipeline(high, low, student.boundary_ratio, scheduler, **components)
 
     pipe = WanPipeline(
         tokenizer=components.get("tokenizer"),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +32,7 @@ from distill.models.student_config import (
     wan_class,
 )
 from distill.ops.errors import DistillError, Stage
-from distill.ops.files import current_umask, disk_is_full, fsync_tree
+from distill.ops.files import disk_is_full, staging_folder, swap_into_place
 
 if TYPE_CHECKING:
     from diffusers import WanTransformer3DModel
@@ -409,19 +408,10 @@ def export_student(model: nn.Module, out_dir: str | Path, *, resume_from: str | 
             "Cannot export the student", f"{out_dir} exists and is not a folder.", stage=Stage.CHECKPOINT
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    # mkdtemp creates 0700; the export must be readable like any other folder the user writes.
-    staging.chmod(0o777 & ~current_umask())
+    staging = staging_folder(out_dir)
     try:
         model.save_pretrained(staging, safe_serialization=True)
-        fsync_tree(staging)
-        if out_dir.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, retired / out_dir.name)
-            os.replace(staging, out_dir)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, out_dir)
+        swap_into_place(staging, out_dir)
     except Exception as err:  # OSError, or safetensors' / torch's own words for a failed write
         shutil.rmtree(staging, ignore_errors=True)
         full = disk_is_full(err, out_dir.parent)

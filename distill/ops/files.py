@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -55,3 +56,23 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def staging_folder(out_dir: Path) -> Path:
+    """A fresh folder beside `out_dir` to write into before `swap_into_place` (same file system, so
+    the rename is atomic), readable like any folder the user writes (mkdtemp alone makes it 0700)."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    staging.chmod(0o777 & ~current_umask())
+    return staging
+
+
+def swap_into_place(staging: Path, out_dir: Path) -> None:
+    """Rename the finished `staging` to `out_dir`; an existing `out_dir` is replaced only now."""
+    fsync_tree(staging)
+    if out_dir.exists():
+        retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, retired / out_dir.name)
+        os.replace(staging, out_dir)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.replace(staging, out_dir)

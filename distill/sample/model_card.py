@@ -84,6 +84,16 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
             "# this folder: its path here, or the hub id it was uploaded to",
             f"pipe = WanPipeline.from_pretrained({folder_ref!r}, torch_dtype=dtype)",
         ]
+    elif kind == "lora":
+        lines += [
+            "# the teacher itself, with one adapter per expert (this folder: its path, or the hub id it was uploaded to)",
+            f"pipe = WanPipeline.from_pretrained({settings.teacher_path!r}, torch_dtype=dtype)",
+            f'pipe.load_lora_weights({folder_ref!r}, weight_name="high_noise_lora.safetensors", adapter_name="fast")',
+            "pipe.load_lora_weights(",
+            f'    {folder_ref!r}, weight_name="low_noise_lora.safetensors", adapter_name="fast_2",',
+            "    load_into_transformer_2=True,",
+            ")",
+        ]
     else:
         lines += [
             "# this folder: its path here, or the hub id it was uploaded to",
@@ -103,7 +113,7 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
         lines += [
             f"from diffusers import {name}",
             "",
-            f"pipe.scheduler = {name}.from_config({json.dumps(config, sort_keys=True)})",
+            f"pipe.scheduler = {name}.from_config({dict(sorted(config.items()))!r})",  # a Python literal, not JSON
         ]
     lines += [
         'pipe.to("cuda" if torch.cuda.is_available() else "cpu")',
@@ -185,13 +195,26 @@ def model_card_text(
         f"the teacher's scheduler{' ' + settings.scheduler['_class_name'] if settings.scheduler else ''} "
         f"with {settings.num_inference_steps} steps (more steps follow the teacher more closely, fewer are faster)"
     )
-    what = "pipeline folder" if kind == "pipeline" else "transformer"
+    what = {"pipeline": "pipeline folder", "lora": "LoRA adapters"}.get(kind, "transformer")
+    if kind == "lora":
+        about = [
+            f"LoRA adapters for both experts of `{teacher}` ({settings.method} distillation, "
+            f"{settings.trained_steps} optimizer steps): the teacher itself, one adapter per expert, one forward",
+            "per step and no classifier-free guidance at sampling time. `comfyui/` holds the same adapters in",
+            "Wan key names (`diffusion_model.blocks.N.self_attn.q.lora_down.weight`, with `.alpha`) for ComfyUI",
+            "and other Wan-format tools; load the high-noise file on the high-noise model, the low-noise file",
+            "on the low-noise model, at strength 1.",
+        ]
+    else:
+        about = [
+            f"A compact `WanTransformer3DModel` distilled from `{teacher}` ({settings.method} distillation,",
+            f"{settings.trained_steps} optimizer steps). It replaces both teacher experts: one model, one forward",
+            "per step, no classifier-free guidance at sampling time.",
+        ]
     body = [
         f"# Wan 2.2 T2V distilled student ({what})",
         "",
-        f"A compact `WanTransformer3DModel` distilled from `{teacher}` ({settings.method} distillation,",
-        f"{settings.trained_steps} optimizer steps). It replaces both teacher experts: one model, one forward",
-        "per step, no classifier-free guidance at sampling time.",
+        *about,
         "",
         "## Sampling",
         "",
@@ -263,15 +286,17 @@ def document_export(
     student_dir: Path | None,
     ema_dir: Path | None = None,
     pipeline_dir: Path | None = None,
+    student_kind: str = "transformer",
 ) -> list[Path]:
     """run_settings.json beside and inside every exported folder, and a model card in each of them.
 
     The pipeline/ folder runs the EMA student when there is one (as the trainer links it).
+    `student_kind` is "lora" when the student folders hold adapters.
     """
     output_dir = Path(output_dir)
     folders: Sequence[tuple[Path | None, str, bool]] = (
-        (student_dir, "transformer", False),
-        (ema_dir, "transformer", True),
+        (student_dir, student_kind, False),
+        (ema_dir, student_kind, True),
         (pipeline_dir, "pipeline", ema_dir is not None),
     )
     written = write_run_settings(settings, output_dir)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from distill.models.lora_files import is_lora_folder
 from distill.models.pipelines import (
     SizeLimits,
 )
@@ -77,13 +78,50 @@ def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dt
     return student.requires_grad_(False).eval().to(device)
 
 
+def load_lora_student(
+    folder: str | Path, info: TeacherInfo, device: torch.device, dtype: torch.dtype
+) -> tuple[Any, Any, Any]:
+    """(student, teacher high, teacher low) for a LoRA run's folder: the teacher's experts loaded once,
+    the folder's adapters on them; the teacher's views run them with the adapters off."""
+    from distill.models.lora import STUDENT_ADAPTER, LoraExperts
+    from distill.models.lora_files import read_lora_folder
+    from distill.models.teacher import load_expert
+
+    try:
+        shape, states = read_lora_folder(folder)
+    except (OSError, ValueError, KeyError) as exc:
+        raise DistillError(
+            f"cannot read the LoRA adapters in {folder}",
+            f"{type(exc).__name__}: {exc}",
+            causes=["a truncated file, or a folder not written by train_distillation.py"],
+            fixes=["export the adapters again (a finished LoRA training run writes lora/)"],
+            stage=Stage.SETUP,
+        ) from None
+    high = load_expert(info, "transformer", dtype).to(device)
+    low = load_expert(info, "transformer_2", dtype).to(device)
+    experts = LoraExperts(high, low, shape, None, seed=0)
+    try:
+        experts.load(STUDENT_ADAPTER, states)
+    except (ValueError, RuntimeError) as exc:
+        raise DistillError(
+            f"the LoRA adapters in {folder} do not fit this teacher's experts",
+            str(exc),
+            fixes=["pass the teacher the adapters were trained on (--teacher_path)"],
+            stage=Stage.CONFIG,
+        ) from None
+    student = experts.model(STUDENT_ADAPTER, info.boundary_ratio).requires_grad_(False)
+    teacher_high, teacher_low = experts.teacher_views()
+    return student, teacher_high, teacher_low
+
+
 def require_student_folder(folder: str | Path, teacher_only: bool = True) -> Path:
-    """`folder` if it holds an exported student (a config.json), else a report saying what it holds.
+    """`folder` if it holds an exported student (a config.json, or a LoRA run's adapters), else a
+    report saying what it holds.
 
     `teacher_only`: whether the command has --teacher_only to offer as a way out.
     """
     folder = Path(folder)
-    if (folder / "config.json").is_file():
+    if (folder / "config.json").is_file() or is_lora_folder(folder):
         return folder
     if folder.is_dir():
         found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
@@ -95,17 +133,23 @@ def require_student_folder(folder: str | Path, teacher_only: bool = True) -> Pat
         details,
         causes=["training has not finished (the student is exported at the end)", "a typo in --student"],
         fixes=[
-            "pass the student/ (or student_ema/) folder that train_distillation.py wrote into --output_dir",
+            "pass the student/ (or student_ema/, or lora/ for a LoRA run) folder that train_distillation.py "
+            "wrote into --output_dir",
             *(["or render the teacher alone with --teacher_only"] if teacher_only else []),
         ],
         stage=Stage.CONFIG,
     )
 
 
-def student_limits(folder: str | Path) -> SizeLimits:
-    """The student's size limits, from its config.json alone (nothing is loaded)."""
+def student_limits(folder: str | Path, info: TeacherInfo) -> SizeLimits:
+    """The student's size limits, from its config.json alone (nothing is loaded); a LoRA student has
+    the teacher's experts' limits."""
     import json
 
+    if is_lora_folder(folder):
+        return SizeLimits.of(
+            "student (LoRA on the teacher)", info.expert_config, info.path / "transformer" / "config.json"
+        )
     config_file = require_student_folder(folder) / "config.json"
     try:
         config = json.loads(config_file.read_text())

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from distill.models.lora import RoutedModel
 from distill.toy import world
 from distill.toy.score import score
 
@@ -83,6 +84,10 @@ def sample_pictures(
 
     from distill.models.pipelines import initial_noise, load_scheduler
 
+    if isinstance(transformer, RoutedModel) and transformer_2 is None:
+        # a LoRA student: the teacher's experts with its adapters, switched as the teacher's are
+        transformer, transformer_2 = transformer.sampling_experts()
+        guidance_scale_2 = guidance_scale
     path = Path(teacher_path)
     parts = parts or load_parts(path, transformer.device)
     boundary = json.loads((path / "model_index.json").read_text()).get("boundary_ratio")

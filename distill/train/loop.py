@@ -27,6 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distill.config.settings import TrainConfig
 from distill.data.dataset import DistillationDataset, ResumableSampler
+from distill.models.lora import EXPERTS, AdapterModel, RoutedModel
+from distill.models.lora_files import write_lora_folder, write_merged_experts
 from distill.models.original.export import export_original
 from distill.models.student import export_student, unwrap_model
 from distill.models.teacher import GuidedTeacher
@@ -92,7 +94,11 @@ class TrainingLoop:
         if self.ctx.enabled:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped = {
-                name: DistributedDataParallel(model, device_ids=device_ids)
+                # A model of two routed experts leaves one expert without gradient in a step whose
+                # samples all fall on the other side of the boundary.
+                name: DistributedDataParallel(
+                    model, device_ids=device_ids, find_unused_parameters=isinstance(model, RoutedModel)
+                )
                 for name, model in self.models.items()
             }
         self.model = self.wrapped["student"]
@@ -622,6 +628,8 @@ class TrainingLoop:
         student_dir = ema_dir = None
         if self.ctx.is_main:
             student = unwrap_model(self.student)
+            if isinstance(student, AdapterModel):
+                return self._export_lora(student)
             scheduler = self.method.export_scheduler()
             kept = ckpt.complete_checkpoints(ckpt.checkpoint_root(self.output_dir))
             resume_from = kept[-1].name if kept else None
@@ -653,6 +661,47 @@ class TrainingLoop:
             document_export(self.output_dir, settings, student_dir, ema_dir, pipeline_dir)
         dist_utils.barrier()
         return student_dir, ema_dir
+
+    def _export_lora(self, student: AdapterModel) -> tuple[Path | None, Path | None]:
+        """lora/ (and lora_ema/): the student's adapters in diffusers' and Wan's key names, with the
+        scheduler it samples with, run_settings.json and a model card. Called on rank 0 only."""
+        scheduler = self.method.export_scheduler()
+        shape = self.distiller.lora.shapes[student.adapter]
+
+        def write(folder: Path) -> Path:
+            out = write_lora_folder({which: student.state(which) for which in EXPERTS}, shape, folder)
+            if scheduler is not None:
+                scheduler.save_pretrained(out)
+            return out
+
+        lora_dir, ema_dir = write(self.output_dir / "lora"), None
+        if self.ema is not None:
+            params = list(student.parameters())
+            self.ema.store(params)
+            self.ema.copy_to(params)
+            try:
+                ema_dir = write(self.output_dir / "lora_ema")
+            finally:
+                self.ema.restore(params)
+        if "merged" in self.cfg.export_formats.split(","):  # the EMA adapters when there are some
+            params = list(student.parameters())
+            if self.ema is not None:
+                self.ema.store(params)
+                self.ema.copy_to(params)
+            try:
+                experts = {which: student.expert(which) for which in EXPERTS}
+                merged = write_merged_experts(experts, student.adapter, self.output_dir / "merged")
+                logger.info("the experts with the adapters merged in: %s", merged)
+            finally:
+                if self.ema is not None:
+                    self.ema.restore(params)
+        settings = settings_from_run(
+            self.cfg, self.distiller.info, self.step, **self.method.sampling_settings()
+        )
+        document_export(self.output_dir, settings, lora_dir, ema_dir, student_kind="lora")
+        logger.info("LoRA adapters for both experts in %s (diffusers and comfyui/ key formats)", lora_dir)
+        dist_utils.barrier()
+        return lora_dir, ema_dir
 
     def _write_pipeline_folder(self, student_dir: Path, scheduler: dict[str, Any] | None) -> Path | None:
         """<output_dir>/pipeline/: WanPipeline.from_pretrained-ready, linking the teacher's parts (no copies)."""

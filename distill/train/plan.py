@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from distill.config.settings import TrainConfig
+from distill.models.lora import LoraShape, count_adapter_parameters
 from distill.models.student import count_parameters
 from distill.models.teacher import TeacherInfo, resolve_dtype
 
@@ -45,6 +46,30 @@ class MemoryEstimate:
         return self.teacher + self.student + self.critic + self.activations
 
 
+def trained_parameters(
+    cfg: TrainConfig, info: TeacherInfo, student_config: dict[str, Any], critic_config: dict[str, Any] | None
+) -> tuple[int, int | None]:
+    """Trained parameters of the student and of the dmd critic (None without one). With
+    --student_lora_rank these are the adapters on both experts (a full critic: both experts whole)."""
+    if not cfg.student_lora_rank:
+        return count_parameters(student_config), (
+            count_parameters(critic_config) if critic_config is not None else None
+        )
+    expert = info.expert_config
+    student = 2 * count_adapter_parameters(
+        expert, LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets)
+    )
+    if cfg.method != "dmd":
+        return student, None
+    rank = cfg.critic_adapter_rank
+    critic = (
+        2 * count_adapter_parameters(expert, LoraShape(rank, float(rank), cfg.lora_targets))
+        if rank
+        else 2 * count_parameters(expert)
+    )
+    return student, critic
+
+
 def estimate(
     cfg: TrainConfig,
     info: TeacherInfo,
@@ -56,7 +81,7 @@ def estimate(
 ) -> MemoryEstimate:
     teacher_params = 2 * count_parameters(info.expert_config)
     teacher_bytes = teacher_params * (torch.finfo(resolve_dtype(cfg.teacher_dtype, device)).bits // 8)
-    student_params = count_parameters(student_config)
+    student_params, critic_params = trained_parameters(cfg, info, student_config, critic_config)
     # fp32 weights + grads + two AdamW moments, plus the EMA copy when enabled.
     student_bytes = student_params * (16 + (4 if cfg.ema_decay else 0))
     _, frames, height, width = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
@@ -69,7 +94,7 @@ def estimate(
     if critic_config is not None and cfg.regression_weight:
         activations *= 2  # the regression pair rides in the generator's forward
     # A critic is trained like the student (fp32 weights, grads, two AdamW moments), never at once with it.
-    critic = 16.0 * count_parameters(critic_config) if critic_config is not None else 0.0
+    critic = 16.0 * critic_params if critic_params is not None else 0.0
     if placement == "cpu":
         return MemoryEstimate(0.0, student_bytes, activations, teacher_bytes, critic)
     if placement == "shard":
@@ -120,7 +145,7 @@ def memory_plan(
     """Parameters, then a per-device memory table with one column per teacher placement, and which
     placements fit the device (dmd adds the critic)."""
     teacher_params = count_parameters(info.expert_config)
-    student_params = count_parameters(student_config)
+    student_params, critic_params = trained_parameters(cfg, info, student_config, critic_config)
     teacher_dtype = resolve_dtype(cfg.teacher_dtype, device)
     _, frames, height, width = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
     tokens = frames * (height // info.patch_size[1]) * (width // info.patch_size[2])
@@ -128,12 +153,26 @@ def memory_plan(
         f"teacher   : {info.path}",
         f"  experts : 2 x {human_count(teacher_params)} parameters as {teacher_dtype}, "
         f"t >= {info.boundary_ratio * 1000:.0f} -> high-noise expert (transformer)",
-        f"student   : {human_count(student_params)} parameters, {student_config['num_layers']} layers, "
-        f"width {student_config['num_attention_heads'] * student_config['attention_head_dim']}",
+        (
+            f"student   : LoRA rank {cfg.student_lora_rank} (alpha {cfg.lora_alpha:g}) on both experts, "
+            f"{human_count(student_params)} trained parameters; the experts' weights are the teacher's, held once"
+            if cfg.student_lora_rank
+            else f"student   : {human_count(student_params)} parameters, {student_config['num_layers']} layers, "
+            f"width {student_config['num_attention_heads'] * student_config['attention_head_dim']}"
+        ),
         *(
             [
-                f"critic    : {human_count(count_parameters(critic_config))} parameters, "
-                f"{critic_config['num_layers']} layers (dmd fake score, trained with its own AdamW)"
+                f"critic    : {human_count(critic_params or 0)} trained parameters, "
+                + (
+                    (
+                        f"LoRA rank {cfg.critic_adapter_rank} on the same experts"
+                        if cfg.critic_adapter_rank
+                        else "a full copy of both experts"
+                    )
+                    if cfg.student_lora_rank
+                    else f"{critic_config['num_layers']} layers"
+                )
+                + " (dmd fake score, trained with its own AdamW)"
             ]
             if critic_config is not None
             else []

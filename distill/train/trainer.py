@@ -8,7 +8,7 @@ method trains, e.g. the dmd critic), and hands them to `distill.train.loop.Train
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import copy
 import json
 import logging
 import math
@@ -24,6 +24,7 @@ from distill.data.caches import TensorCache
 from distill.data.dataset import DistillationDataset
 from distill.data.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
 from distill.data.prompts import read_prompts
+from distill.models.lora import CRITIC_ADAPTER, STUDENT_ADAPTER, ExpertCopies, LoraExperts, LoraShape
 from distill.models.original.configs import check_original_exportable
 from distill.models.student import build_student, init_student_from_teacher, load_pretrained_student
 from distill.models.student_config import load_student_config
@@ -41,6 +42,7 @@ from distill.ops.errors import DistillError, Progress, Stage
 from distill.ops.output_dir import hold_output_dir, writable_folder
 from distill.report.monitor import SampleMonitor, SampleSettings
 from distill.train import checkpoint as ckpt
+from distill.train.identity import check_identity, run_identity
 from distill.train.loop import RunResult, TrainingLoop
 from distill.train.methods import method_class
 from distill.train.plan import choose_placement, memory_plan
@@ -74,7 +76,9 @@ def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[s
         info.vae_scale_temporal,
         [
             SizeLimits.of("teacher", info.expert_config, info.path / "transformer" / "config.json"),
-            SizeLimits.of("student", student_config, cfg.student_config),
+            SizeLimits.of(
+                "student", student_config, cfg.student_config or info.path / "transformer" / "config.json"
+            ),
         ],
     )
 
@@ -96,8 +100,14 @@ class Distiller:
         self.info = inspect_teacher(
             cfg.teacher_path, cfg.boundary_ratio, convert_dir=cfg.resolved_cache_dir / "teacher"
         )
-        # Refuse a student that cannot work with this teacher before loading anything heavy.
-        self.student_config = load_student_config(cfg.student_config, self.info.expert_config)
+        # Refuse a student that cannot work with this teacher before loading anything heavy. A LoRA
+        # student is the teacher's own experts (both of one config) with adapters.
+        self.student_config = (
+            dict(self.info.expert_config)
+            if cfg.student_lora_rank
+            else load_student_config(cfg.student_config, self.info.expert_config)
+        )
+        self.lora: LoraExperts | None = None  # the shared experts' adapters, once loaded
         if "original" in cfg.export_formats.split(","):  # refused now, not after training
             check_original_exportable(
                 self.student_config,
@@ -198,6 +208,8 @@ class Distiller:
         high, low = self.load_teacher_experts()
         Progress.enter(Stage.DATA)
         latents = self._open_shared(lambda: latent_cache(cfg, self.info, self.teacher_dtype, embeddings))
+        if self.lora is not None:
+            self.lora.teacher_mode()  # the cached latents are the teacher's own samples
         result.latents_built = fill_latent_cache(
             latents,
             self.prompts[rank::world],
@@ -213,6 +225,8 @@ class Distiller:
         )
         dist_utils.barrier()
         self._require_complete(latents, self.prompts)
+        if self.lora is not None:  # the teacher is the same experts with their adapters off
+            high, low = self.lora.teacher_views()
         teacher = GuidedTeacher(
             high,
             low,
@@ -251,6 +265,8 @@ class Distiller:
                     logger.warning("loading the teacher experts (wave %d of %d)", wave + 1, waves)
                 high = load_expert(self.info, "transformer", self.teacher_dtype)
                 low = load_expert(self.info, "transformer_2", self.teacher_dtype)
+                if cfg.student_lora_rank:  # before placement: the adapters move with the experts
+                    self.lora = self.add_lora(high, low)
                 for name, (config, init) in self.model_specs.items():
                     if init == "teacher":  # before placement: a sharded expert has no whole tensors
                         self.early_models[name] = self.init_from_teacher(
@@ -267,6 +283,22 @@ class Distiller:
         assert experts is not None
         return experts
 
+    def add_lora(self, high: torch.nn.Module, low: torch.nn.Module) -> LoraExperts:
+        """The adapters of a LoRA run on the loaded experts (a full dmd critic: copies made first)."""
+        cfg = self.cfg
+        if "critic" in self.model_specs and self.model_specs["critic"][1] == "copy":
+            self.early_models["critic"] = ExpertCopies(
+                copy.deepcopy(high).float(), copy.deepcopy(low).float(), self.info.boundary_ratio
+            )
+        critic = cfg.critic_adapter_rank if "critic" in self.model_specs else 0
+        return LoraExperts(
+            high,
+            low,
+            LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets),
+            LoraShape(critic, float(critic), cfg.lora_targets) if critic else None,
+            cfg.seed,
+        )
+
     def init_from_teacher(
         self, config: dict[str, Any], expert: torch.nn.Module, name: str = "student"
     ) -> torch.nn.Module:
@@ -279,6 +311,11 @@ class Distiller:
         """(config, init) of every trained model: the student, and what the method adds (dmd: a critic,
         by default the student's shape, initialised like the student)."""
         cfg = self.cfg
+        if cfg.student_lora_rank:
+            specs = {"student": (self.student_config, "lora")}
+            if cfg.method == "dmd":
+                specs["critic"] = (self.student_config, "lora" if cfg.critic_adapter_rank else "copy")
+            return specs
         specs = {"student": (self.student_config, cfg.student_init)}
         for name, (config_path, init) in method_class(cfg.method).extra_models(cfg).items():
             config = (
@@ -292,7 +329,12 @@ class Distiller:
     def make_model(self, name: str = "student") -> torch.nn.Module:
         cfg = self.cfg
         config, init = self.model_specs[name]
-        if init == "teacher":
+        if init == "lora":
+            assert self.lora is not None
+            model = self.lora.model(
+                STUDENT_ADAPTER if name == "student" else CRITIC_ADAPTER, self.info.boundary_ratio
+            )
+        elif init in ("teacher", "copy"):
             model = self.early_models.pop(name)
         elif init == "random":
             model = build_student(config, seed=cfg.seed)
@@ -329,63 +371,13 @@ class Distiller:
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must agree with to be resumed by this run (computed once: every save
         stores it, and the teacher fingerprint reads the weight files)."""
-        if self._identity is not None:
-            return self._identity
-        identity = {
-            "student_config": self.student_config,
-            "teacher": self.info.fingerprint("transformer", "transformer_2"),
-            "prompts": hashlib.sha256("\n".join(self.prompts).encode()).hexdigest()[:16],
-            # What the student regresses onto: another value is another objective (as resolved,
-            # so --flow_shift 3.0 equals a teacher default of 3.0). Keys are the option names.
-            "target": {
-                "guidance_scale": self.cfg.guidance_scale,
-                "guidance_scale_2": self.cfg.guidance_scale_2,
-                "negative_prompt": self.cfg.negative_prompt,
-                "flow_shift": self.shift,
-                "boundary_ratio": self.info.boundary_ratio,
-                "max_sequence_length": self.cfg.max_sequence_length,
-            },
-            "method": self.cfg.method,
-            **method_class(self.cfg.method).identity(self.cfg),
-        }
-        self._identity = json.loads(
-            json.dumps(identity)
-        )  # as it reads back from meta.json (tuples become lists)
+        if self._identity is None:
+            self._identity = run_identity(self.cfg, self.info, self.student_config, self.prompts, self.shift)
         return self._identity
 
     def check_checkpoint(self, path: Path, meta: dict[str, Any]) -> None:
         """Refuse to resume a checkpoint made for another student, teacher or prompt set (unless forced)."""
-        expected = self.identity()
-        for key, value in expected.items():
-            saved = meta.get("identity", {}).get(key)
-            if key == "method" and saved is None:
-                saved = "velocity"  # checkpoints from before --method existed
-            if saved == value:
-                continue
-            if key == "target" and saved is None:
-                logger.warning("checkpoint %s does not record its training target; not checked", path)
-                continue
-            if isinstance(value, dict) and isinstance(saved, dict):
-                keys = sorted(k for k in set(saved) | set(value) if saved.get(k) != value.get(k))
-                saved, value = {k: saved.get(k) for k in keys}, {k: value.get(k) for k in keys}
-            what = key.replace("_", " ")
-            if key == "target":  # name the options that changed
-                what = "training target: " + ", ".join(f"--{k}" for k in value)
-            if self.cfg.force_resume:
-                logger.warning(
-                    "resuming %s although it was made with a different %s (--force_resume)", path, what
-                )
-                continue
-            raise DistillError(
-                f"checkpoint {path} was made with a different {what}",
-                f"checkpoint: {saved}\nthis run:   {value}",
-                fixes=[
-                    "resume with the settings the checkpoint was made with",
-                    "or start fresh in another --output_dir",
-                    "or pass --force_resume if the change is intended (the weights are loaded as they are)",
-                ],
-                stage=Stage.CHECKPOINT,
-            )
+        check_identity(path, meta, self.identity(), self.cfg.force_resume)
 
     def check_output_dir(self) -> None:
         """Before any heavy work: never overwrite another run's checkpoints, never resume a foreign one."""

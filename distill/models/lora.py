@@ -1,0 +1,350 @@
+"""The student as the teacher's own two experts with LoRA adapters, sharing one copy of their weights.
+
+`--student_lora_rank R` makes the student the high- and low-noise experts themselves, each with a
+"student" adapter (peft, through diffusers' adapter API), routed by timestep as the teacher is. The
+teacher is the same experts with adapters disabled, and the dmd critic is either its own "critic"
+adapters on them (`--critic_lora_rank`) or a full trainable copy of the experts. So the base
+weights of the 2 x 14B experts exist once in memory however many roles use them.
+
+Which adapter an expert runs is set per call (`AdapterSwitch`). Two things make that safe:
+- peft's `set_adapters` / `disable_adapters` also flip `requires_grad` (the active adapter trainable,
+  the others frozen); the switch puts back `requires_grad=True` on every adapter this run trains;
+- with gradient checkpointing an expert's blocks are recomputed during backward, after the teacher
+  and the critic may have switched the expert to another adapter; a hook on each routed output
+  switches the expert back to the adapter that produced it before backward enters its blocks.
+
+LoRA B starts at zero, so a fresh student predicts exactly what the teacher's experts predict.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from distill.config.settings import LORA_TARGETS as DEFAULT_TARGETS
+from distill.models.flow_matching import high_noise_mask
+
+EXPERTS = ("high", "low")  # transformer (t >= boundary), transformer_2
+STUDENT_ADAPTER = "student"
+CRITIC_ADAPTER = "critic"
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """Rank, alpha and target modules of one adapter set (the scale is alpha / rank)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    def peft_config(self) -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            target_modules=list(self.targets),
+            init_lora_weights="gaussian",  # A random, B zero: the adapter starts as a no-op
+        )
+
+
+def add_adapter(expert: nn.Module, name: str, shape: LoraShape, seed: int) -> list[nn.Parameter]:
+    """Add adapter `name` to `expert` (frozen base, float32 adapter weights, seeded) and return its parameters."""
+    expert.requires_grad_(False)
+    with warnings.catch_warnings():
+        # peft warns whenever a second adapter joins a model; several adapters are the point here.
+        warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            expert.add_adapter(shape.peft_config(), adapter_name=name)
+    params = adapter_parameters(expert, name)
+    if not params:
+        raise ValueError(f"no module of the expert matches the LoRA targets {', '.join(shape.targets)}")
+    for p in params:
+        p.data = p.data.float()  # adapters train in float32 whatever the base dtype
+        p.requires_grad_(True)
+    return params
+
+
+def adapter_parameters(expert: nn.Module, name: str) -> list[nn.Parameter]:
+    """The parameters of adapter `name` in `expert`, in module order."""
+    return [p for key, p in expert.named_parameters() if f".{name}." in key and ".lora_" in key]
+
+
+def adapter_state(expert: nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """Adapter `name` as diffusers names its keys (`blocks.0.attn1.to_q.lora_A.weight`)."""
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach() for k, v in get_peft_model_state_dict(expert, adapter_name=name).items()}
+
+
+class AdapterSwitch:
+    """Which adapter one expert runs (None: none, the teacher), switched only when it changes."""
+
+    def __init__(self, expert: nn.Module) -> None:
+        self.expert = expert
+        self.trained: list[nn.Parameter] = []  # adapter parameters some optimizer updates
+        self.active: str | None | bool = False  # False: not known yet
+
+    def use(self, name: str | None) -> None:
+        if name == self.active:
+            return
+        if name is None:
+            self.expert.disable_adapters()
+        else:
+            self.expert.enable_adapters()
+            self.expert.set_adapters(name)
+        # peft froze every adapter but the active one (all of them when disabling): undo that.
+        for p in self.trained:
+            p.requires_grad_(True)
+        self.active = name
+
+
+class ExpertView(nn.Module):
+    """An expert as one role sees it: calling it runs the expert with that role's adapter (None: the
+    teacher, adapters off). A module, so WanPipeline and the teacher's code take it for the expert."""
+
+    def __init__(self, switch: AdapterSwitch, adapter: str | None) -> None:
+        super().__init__()
+        self.expert = switch.expert
+        object.__setattr__(self, "switch", switch)
+        self.adapter = adapter
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.switch.use(self.adapter)
+        return self.expert(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # config, dtype, device, cache_context... of the expert
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["expert"], name)
+
+
+def route(
+    hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    boundary_ratio: float,
+    call: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Run each sample through the expert of its timestep (`call(which, x, t, text)`), in batch order."""
+    is_high = high_noise_mask(timestep.detach().cpu(), boundary_ratio)
+    parts, order = [], []
+    for which, mask in (("high", is_high), ("low", ~is_high)):
+        rows = mask.nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        index = rows.to(hidden_states.device)
+        parts.append(
+            call(
+                which,
+                hidden_states.index_select(0, index),
+                timestep.index_select(0, rows.to(timestep.device)),
+                encoder_hidden_states.index_select(0, index),
+            )
+        )
+        order.append(rows)
+    out = torch.cat(parts)
+    if len(parts) == 1:
+        return out
+    return out.index_select(0, torch.cat(order).argsort().to(out.device))
+
+
+class RoutedModel(nn.Module):
+    """Base of a trained model made of two experts routed by timestep, called like one Wan transformer."""
+
+    boundary_ratio: float
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        return_dict: bool = False,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor]:
+        def call(which: str, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+            return self.run_expert(which, x, t, text, **kwargs)
+
+        return (route(hidden_states, timestep, encoder_hidden_states, self.boundary_ratio, call),)
+
+    def run_expert(
+        self, which: str, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def expert(self, which: str) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.expert("high").dtype
+
+    @property
+    def config(self) -> Any:
+        return self.expert("high").config
+
+    @property
+    def device(self) -> torch.device:
+        return self.expert("high").device
+
+    def enable_gradient_checkpointing(self) -> None:
+        for which in EXPERTS:
+            self.expert(which).enable_gradient_checkpointing()
+
+    def sampling_experts(self) -> tuple[nn.Module, nn.Module]:
+        """(high, low) as plain modules running this model's weights, for WanPipeline (they keep
+        running them until another role switches them)."""
+        return self.expert("high"), self.expert("low")
+
+
+class AdapterModel(RoutedModel):
+    """One role's adapters (student or critic) on the shared experts. Its parameters are the adapters'
+    only, so optimizers, EMA, DDP and checkpoints see nothing of the base weights."""
+
+    def __init__(
+        self,
+        switches: dict[str, AdapterSwitch],
+        adapter: str,
+        boundary_ratio: float,
+        trained: Sequence[str] = EXPERTS,
+    ) -> None:
+        super().__init__()
+        self.adapter, self.boundary_ratio = adapter, boundary_ratio
+        self.trained_experts = tuple(trained)
+        object.__setattr__(self, "switches", switches)  # not submodules: the base weights stay out
+        self.adapters = nn.ParameterDict()
+        for which in self.trained_experts:
+            expert = switches[which].expert
+            for key, p in expert.named_parameters():
+                if f".{adapter}." in key and ".lora_" in key:
+                    self.adapters[f"{which}__{key.replace('.', '__')}"] = p
+            switches[which].trained.extend(adapter_parameters(expert, adapter))
+        for p in self.adapters.values():
+            p.requires_grad_(True)  # switching experts earlier (the teacher's turn) may have frozen them
+
+    def expert(self, which: str) -> nn.Module:
+        return self.switches[which].expert
+
+    def run_expert(
+        self, which: str, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        switch = self.switches[which]
+        switch.use(self.adapter)
+        expert = switch.expert
+        out = expert(
+            hidden_states=x.to(expert.dtype),
+            timestep=t,
+            encoder_hidden_states=text.to(expert.dtype),
+            return_dict=False,
+            **kwargs,
+        )[0]
+        if out.requires_grad:
+            # Backward may recompute this expert's blocks (gradient checkpointing) after another role
+            # switched it: switch back first. The hook runs before autograd enters the expert.
+            out.register_hook(lambda grad: (switch.use(self.adapter), grad)[1])
+        return out
+
+    def state(self, which: str) -> dict[str, torch.Tensor]:
+        """This role's adapter on expert `which`, in diffusers' key names."""
+        return adapter_state(self.expert(which), self.adapter)
+
+    def sampling_experts(self) -> tuple[nn.Module, nn.Module]:
+        for which in EXPERTS:
+            self.switches[which].use(self.adapter)
+        return self.expert("high"), self.expert("low")
+
+
+class ExpertCopies(RoutedModel):
+    """A full trainable copy of both experts (the dmd critic without adapters, as published recipes train it)."""
+
+    def __init__(self, high: nn.Module, low: nn.Module, boundary_ratio: float) -> None:
+        super().__init__()
+        self.high, self.low = high, low
+        self.boundary_ratio = boundary_ratio
+        for model in (high, low):
+            model.requires_grad_(True)
+
+    def expert(self, which: str) -> nn.Module:
+        return self.high if which == "high" else self.low
+
+    def run_expert(
+        self, which: str, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        expert = self.expert(which)
+        return expert(
+            hidden_states=x.to(expert.dtype),
+            timestep=t,
+            encoder_hidden_states=text.to(expert.dtype),
+            return_dict=False,
+            **kwargs,
+        )[0]
+
+
+class LoraExperts:
+    """The two experts of one run with every role's adapters: the student's, and the dmd critic's
+    when it trains adapters too. Hands out each role's view of the same experts."""
+
+    def __init__(
+        self,
+        high: nn.Module,
+        low: nn.Module,
+        student: LoraShape,
+        critic: LoraShape | None,
+        seed: int,
+    ) -> None:
+        self.switches = {"high": AdapterSwitch(high), "low": AdapterSwitch(low)}
+        self.shapes = {STUDENT_ADAPTER: student, **({CRITIC_ADAPTER: critic} if critic else {})}
+        for offset, (name, shape) in enumerate(self.shapes.items()):
+            for index, which in enumerate(EXPERTS):
+                add_adapter(self.switches[which].expert, name, shape, seed + 1000 * offset + index)
+
+    def load(self, adapter: str, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Put trained weights (diffusers key names, per expert) into adapter `adapter`."""
+        from peft.utils import set_peft_model_state_dict
+
+        for which, state in states.items():
+            expert = self.switches[which].expert
+            result = set_peft_model_state_dict(expert, state, adapter_name=adapter)
+            unexpected = getattr(result, "unexpected_keys", [])
+            if unexpected:
+                raise ValueError(f"{which}-noise adapter: keys the expert has no place for: {unexpected[:3]}")
+
+    def model(self, adapter: str, boundary_ratio: float) -> AdapterModel:
+        return AdapterModel(self.switches, adapter, boundary_ratio)
+
+    def teacher_views(self) -> tuple[ExpertView, ExpertView]:
+        return ExpertView(self.switches["high"], None), ExpertView(self.switches["low"], None)
+
+    def teacher_mode(self) -> None:
+        """Adapters off on both experts (for code that calls the experts directly)."""
+        for switch in self.switches.values():
+            switch.use(None)
+
+
+def count_adapter_parameters(expert_config: dict[str, Any], shape: LoraShape) -> int:
+    """Parameters of one adapter set on one expert, from the config alone (for the memory plan)."""
+    width = expert_config["num_attention_heads"] * expert_config["attention_head_dim"]
+    ffn = expert_config["ffn_dim"]
+    sizes = {  # (in, out) of each target linear
+        "to_q": (width, width),
+        "to_k": (width, width),
+        "to_v": (width, width),
+        "to_out.0": (width, width),
+        "ffn.net.0.proj": (width, ffn),
+        "ffn.net.2": (ffn, width),
+    }
+    per_block = 0
+    for target in shape.targets:
+        fan_in, fan_out = sizes[target]
+        attention = target.startswith("to_")
+        # Attention targets exist in attn1 and attn2; cross-attention's k/v read the text after the
+        # model projected it to its own width, so every attention linear is width x width.
+        per_block += shape.rank * (fan_in + fan_out) * (2 if attention else 1)
+    return per_block * expert_config["num_layers"]

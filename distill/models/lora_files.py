@@ -1,0 +1,190 @@
+"""The LoRA student's adapter files, in the two key formats people load.
+
+    lora/high_noise_lora.safetensors            diffusers keys (transformer.blocks.N.attn1.to_q.lora_A.weight)
+    lora/low_noise_lora.safetensors             with rank, alpha and targets in the file's metadata
+    lora/comfyui/high_noise_lora.safetensors    Wan keys (diffusion_model.blocks.N.self_attn.q.lora_down.weight,
+    lora/comfyui/low_noise_lora.safetensors     .lora_up.weight and .alpha), as ComfyUI, LightX2V and Wan tools read
+
+diffusers loads the first pair with `pipe.load_lora_weights(folder, weight_name=..., adapter_name=...)`
+(`load_into_transformer_2=True` for the low-noise file). The Wan-format files always carry an
+alpha per module, so no tool has to guess the strength; each is checked on writing by converting
+it back with diffusers' own converter for such files and comparing every module's weight change.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from distill.models.lora import LoraShape
+from distill.models.original.keymaps import transformer_to_original
+from distill.ops.errors import DistillError, Stage
+from distill.ops.files import staging_folder, swap_into_place
+
+FILES = {"high": "high_noise_lora.safetensors", "low": "low_noise_lora.safetensors"}
+WAN_FORMAT_DIR = "comfyui"
+LORA_SUFFIXES = {"lora_A": "lora_down", "lora_B": "lora_up"}
+
+
+def module_of(key: str) -> tuple[str, str]:
+    """`blocks.0.attn1.to_q.lora_A.weight` -> (`blocks.0.attn1.to_q`, `lora_A`)."""
+    module, kind, _ = key.rsplit(".", 2)
+    return module, kind
+
+
+def wan_module_name(module: str) -> str:
+    """The Wan (original layout) name of a diffusers module: blocks.0.attn1.to_q -> blocks.0.self_attn.q."""
+    (renamed,) = transformer_to_original({f"{module}.weight": None})
+    return renamed[: -len(".weight")]
+
+
+def to_wan_format(state: Mapping[str, torch.Tensor], shape: LoraShape) -> dict[str, torch.Tensor]:
+    """diffusers-named adapter tensors -> Wan-format keys with lora_down / lora_up and an alpha per module."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        module, kind = module_of(key)
+        name = f"diffusion_model.{wan_module_name(module)}"
+        out[f"{name}.{LORA_SUFFIXES[kind]}.weight"] = tensor.detach().float().contiguous()
+        out[f"{name}.alpha"] = torch.tensor(float(shape.alpha))
+    return out
+
+
+def weight_changes(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """module -> scale * B @ A: what the adapter adds to each weight."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        module, kind = module_of(key.removeprefix("transformer."))
+        parts.setdefault(module, {})[kind] = tensor.float()
+    return {m: scale * p["lora_B"] @ p["lora_A"] for m, p in parts.items()}
+
+
+def wan_format_problem(
+    state: Mapping[str, torch.Tensor], shape: LoraShape, wan: Mapping[str, torch.Tensor]
+) -> str | None:
+    """None if diffusers' converter for Wan-format LoRAs reads `wan` back to the weight changes of
+    `state` (alpha included), else what differs."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
+
+    converted = _convert_non_diffusers_wan_lora_to_diffusers({k: v.clone() for k, v in wan.items()})
+    # the converter folds alpha / rank into the tensors, so its own scale is 1
+    back = weight_changes(converted, 1.0)
+    want = weight_changes(state, shape.alpha / shape.rank)
+    if set(back) != set(want):
+        missing, extra = sorted(set(want) - set(back)), sorted(set(back) - set(want))
+        return f"modules differ: missing {missing[:3]}, unexpected {extra[:3]}"
+    for module, delta in want.items():
+        if not torch.allclose(back[module], delta, rtol=1e-5, atol=1e-7):
+            return f"{module}: weight change differs by {float((back[module] - delta).abs().max()):.3g}"
+    return None
+
+
+def write_lora_folder(
+    states: Mapping[str, Mapping[str, torch.Tensor]], shape: LoraShape, out_dir: str | Path
+) -> Path:
+    """Write `out_dir` (see the module docstring) from {"high": state, "low": state} in diffusers key
+    names; staged next to it and renamed into place, so a crash never leaves half a folder."""
+    from diffusers import WanPipeline
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_folder(out_dir)
+    metadata = {"r": shape.rank, "lora_alpha": shape.alpha, "target_modules": list(shape.targets)}
+    try:
+        (staging / WAN_FORMAT_DIR).mkdir()
+        for which, state in states.items():
+            plain = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+            WanPipeline.save_lora_weights(
+                staging,
+                transformer_lora_layers=plain,
+                weight_name=FILES[which],
+                transformer_lora_adapter_metadata=metadata,
+            )
+            wan = to_wan_format(plain, shape)
+            problem = wan_format_problem(plain, shape, wan)
+            if problem:
+                raise DistillError(
+                    f"the Wan-format {which}-noise LoRA does not read back as trained",
+                    problem,
+                    fixes=[
+                        "use the diffusers-format files beside it, and report this with the run's lora/ folder"
+                    ],
+                    stage=Stage.INTERNAL,
+                )
+            save_file(wan, staging / WAN_FORMAT_DIR / FILES[which], metadata={"format": "pt"})
+        (staging / "adapter_config.json").write_text(json.dumps(metadata, indent=2) + "\n")
+        swap_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def is_lora_folder(folder: str | Path) -> bool:
+    folder = Path(folder)
+    return all((folder / name).is_file() for name in FILES.values())
+
+
+def read_lora_folder(folder: str | Path) -> tuple[LoraShape, dict[str, dict[str, torch.Tensor]]]:
+    """(shape, {"high": state, "low": state}) of a folder `write_lora_folder` wrote, in diffusers key
+    names without the `transformer.` prefix."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    shape = LoraShape(int(config["r"]), float(config["lora_alpha"]), tuple(config["target_modules"]))
+    states = {
+        which: {k.removeprefix("transformer."): v for k, v in load_file(folder / name).items()}
+        for which, name in FILES.items()
+    }
+    return shape, states
+
+
+def merged_state(expert: torch.nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+    """The expert's weights with adapter `adapter` added in (W + scale B A), in its own key names."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    deltas = {
+        name: module.get_delta_weight(adapter)
+        for name, module in expert.named_modules()
+        if isinstance(module, LoraLinear) and adapter in module.lora_A
+    }
+    state = {}
+    for key, tensor in expert.state_dict().items():
+        if ".lora_" in key:
+            continue
+        module, _, leaf = key.rpartition(".base_layer.")
+        if module and leaf == "weight" and module in deltas:
+            tensor = (tensor.float() + deltas[module].float()).to(tensor.dtype)
+        state[key.replace(".base_layer.", ".")] = tensor.detach().cpu().contiguous()
+    return state
+
+
+def write_merged_experts(experts: Mapping[str, torch.nn.Module], adapter: str, out_dir: str | Path) -> Path:
+    """`out_dir`/transformer and `out_dir`/transformer_2: both experts with the adapter merged in, as
+    standalone diffusers models (for users who want no adapters at all). Staged and renamed."""
+    from huggingface_hub import save_torch_state_dict
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_folder(out_dir)
+    try:
+        for which, subfolder in (("high", "transformer"), ("low", "transformer_2")):
+            expert = experts[which]
+            target = staging / subfolder
+            target.mkdir()
+            save_torch_state_dict(
+                merged_state(expert, adapter),
+                target,
+                filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
+            )
+            expert.save_config(target)
+        swap_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir

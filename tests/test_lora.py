@@ -1,0 +1,368 @@
+"""LoRA students: the teacher's own experts with adapters, one copy of the base weights for every
+role, exported in diffusers' and Wan's key formats that stock loaders read as trained."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, repo_pythonpath, train_args
+from safetensors.torch import load_file
+from test_distributed import assert_same_trajectory
+
+from distill.config.cli import parse_config
+from distill.models.lora import (
+    CRITIC_ADAPTER,
+    EXPERTS,
+    STUDENT_ADAPTER,
+    LoraExperts,
+    LoraShape,
+    count_adapter_parameters,
+)
+from distill.models.lora_files import (
+    FILES,
+    WAN_FORMAT_DIR,
+    read_lora_folder,
+    wan_format_problem,
+    write_lora_folder,
+)
+from distill.models.tiny import build_tiny_pipeline
+from distill.train.trainer import Distiller
+from train_distillation import main
+
+BOUNDARY = 0.875
+
+
+def tiny_experts(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    pipe = build_tiny_pipeline(seed=seed)
+    return pipe.transformer, pipe.transformer_2
+
+
+def batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Four samples, two on each side of the boundary (900 and 950 go to the high-noise expert)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(4, 16, 1, 4, 4, generator=gen),
+        "timestep": torch.tensor([900.0, 100.0, 950.0, 300.0]),
+        "encoder_hidden_states": torch.randn(4, 8, 32, generator=gen),
+    }
+
+
+def expert_outputs(high, low, inputs) -> torch.Tensor:
+    """What the two experts give, each on its own samples, in batch order."""
+    rows = {"high": [0, 2], "low": [1, 3]}
+    out = torch.empty_like(inputs["hidden_states"])
+    for expert, index in ((high, rows["high"]), (low, rows["low"])):
+        part = {k: v[index] for k, v in inputs.items()}
+        out[index] = expert(**part, return_dict=False)[0]
+    return out
+
+
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def lora_run(high, low, critic: bool = True) -> LoraExperts:
+    return LoraExperts(high, low, LoraShape(4, 8.0), LoraShape(4, 4.0) if critic else None, seed=0)
+
+
+def test_a_fresh_student_is_the_teacher_and_training_it_leaves_the_teacher_alone():
+    high, low = tiny_experts()
+    inputs = batch()
+    with torch.no_grad():
+        before = expert_outputs(high, low, inputs)
+    lora = lora_run(high, low)
+    student = lora.model(STUDENT_ADAPTER, BOUNDARY)
+    teacher_high, teacher_low = lora.teacher_views()
+    with torch.no_grad():
+        torch.testing.assert_close(student(**inputs)[0], before, rtol=0, atol=1e-5)  # LoRA B starts at 0
+        perturb(student, seed=1)
+        moved = student(**inputs)[0]
+        assert (moved - before).abs().max() > 1e-3
+        torch.testing.assert_close(
+            expert_outputs(teacher_high, teacher_low, inputs), before, rtol=0, atol=1e-5
+        )
+        # the critic's adapters are its own: still the teacher's outputs
+        torch.testing.assert_close(
+            lora.model(CRITIC_ADAPTER, BOUNDARY)(**inputs)[0], before, rtol=0, atol=1e-5
+        )
+    # only adapters are trained, and nothing of the base weights is a parameter of the student
+    names = dict(student.named_parameters())
+    assert names and all("lora_" in n for n in names)
+    assert sum(p.numel() for p in student.parameters()) == 2 * count_adapter_parameters(
+        dict(high.config), LoraShape(4, 8.0)
+    )
+
+
+def test_gradients_are_right_when_other_roles_run_the_experts_between_forward_and_backward():
+    high, low = tiny_experts()
+    lora = lora_run(high, low)
+    student, critic = lora.model(STUDENT_ADAPTER, BOUNDARY), lora.model(CRITIC_ADAPTER, BOUNDARY)
+    teacher_high, teacher_low = lora.teacher_views()
+    perturb(student, seed=1)
+    perturb(critic, seed=2)
+    student.enable_gradient_checkpointing()  # backward recomputes the blocks with whatever adapter is on
+    inputs = batch()
+
+    def grads(interleave: bool) -> list[torch.Tensor]:
+        student.zero_grad(set_to_none=True)
+        loss = student(**inputs)[0].pow(2).mean()
+        if interleave:  # as dmd does: teacher and critic between the student's forward and backward
+            with torch.no_grad():
+                expert_outputs(teacher_high, teacher_low, inputs)
+                critic(**inputs)
+        loss.backward()
+        return [p.grad.clone() for p in student.parameters()]
+
+    alone, interleaved = grads(False), grads(True)
+    assert all(g.abs().sum() > 0 for g in alone)
+    for a, b in zip(alone, interleaved):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(p.grad is None for p in critic.parameters())
+
+
+def test_exported_adapters_load_into_stock_diffusers_and_the_wan_format_reads_back(tmp_path):
+    high, low = tiny_experts()
+    lora = lora_run(high, low, critic=False)
+    student = lora.model(STUDENT_ADAPTER, BOUNDARY)
+    perturb(student, seed=3)
+    shape = LoraShape(4, 8.0)  # alpha != rank: the strength must travel with the files
+    folder = write_lora_folder({w: student.state(w) for w in EXPERTS}, shape, tmp_path / "lora")
+    inputs = batch()
+    with torch.no_grad():
+        expected = student(**inputs)[0]
+    # the model card's calls: one adapter per expert, low-noise into transformer_2
+    pipe = build_tiny_pipeline(seed=0)
+    pipe.load_lora_weights(str(folder), weight_name=FILES["high"], adapter_name="fast")
+    pipe.load_lora_weights(
+        str(folder), weight_name=FILES["low"], adapter_name="fast_2", load_into_transformer_2=True
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(
+            expert_outputs(pipe.transformer, pipe.transformer_2, inputs), expected, rtol=0, atol=1e-5
+        )
+    # Wan key names with an alpha for every module, as ComfyUI and Lightning-style files have
+    wan = load_file(str(folder / WAN_FORMAT_DIR / FILES["high"]))
+    downs = [k for k in wan if k.endswith(".lora_down.weight")]
+    assert downs and all(k.startswith("diffusion_model.blocks.") for k in wan)
+    assert "diffusion_model.blocks.0.self_attn.q.lora_down.weight" in wan
+    assert "diffusion_model.blocks.0.ffn.0.lora_up.weight" in wan
+    assert all(wan[k.replace(".lora_down.weight", ".alpha")].item() == 8.0 for k in downs)
+    pipe = build_tiny_pipeline(seed=0)
+    pipe.load_lora_weights(str(folder / WAN_FORMAT_DIR), weight_name=FILES["high"], adapter_name="w")
+    pipe.load_lora_weights(
+        str(folder / WAN_FORMAT_DIR),
+        weight_name=FILES["low"],
+        adapter_name="w_2",
+        load_into_transformer_2=True,
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(
+            expert_outputs(pipe.transformer, pipe.transformer_2, inputs), expected, rtol=0, atol=1e-5
+        )
+    shape_back, states = read_lora_folder(folder)
+    assert shape_back == shape and states["high"].keys() == student.state("high").keys()
+    # the check itself: a wrong alpha is caught
+    state = student.state("high")
+    broken = dict(wan)
+    broken["diffusion_model.blocks.0.self_attn.q.alpha"] = torch.tensor(4.0)
+    assert wan_format_problem(state, shape, wan) is None
+    assert "blocks.0.attn1.to_q" in wan_format_problem(state, shape, broken)
+
+
+def test_the_plan_counts_adapters_as_published_for_a14b():
+    a14b = {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40}
+    # rank 64 on all ten linears of a block: ~307M per expert (the figure published recipes quote)
+    assert count_adapter_parameters(a14b, LoraShape(64, 64.0)) == pytest.approx(307e6, rel=0.01)
+
+
+def lora_args(teacher, out, cache, **overrides):
+    settings = dict(
+        method="dmd",
+        student_config=None,
+        student_init=None,
+        student_lora_rank=4,
+        height=32,
+        width=32,
+        num_steps=5,
+        critic_updates=2,
+        lr=1e-3,
+        critic_lr=1e-3,
+    )
+    settings.update(overrides)
+    return train_args(teacher, out, cache, **settings)
+
+
+def run(args):
+    return Distiller(parse_config(args)).run()
+
+
+def adapters(folder) -> dict[str, torch.Tensor]:
+    return {f"{w}.{k}": v for w, state in read_lora_folder(folder)[1].items() for k, v in state.items()}
+
+
+def test_a_lora_dmd_run_resumes_exactly_and_exports_what_its_model_card_loads(
+    tiny_teacher, tmp_path, monkeypatch
+):
+    common = dict(checkpoint_every=2, ema_decay=0.9)
+    cache = tmp_path / "cache"
+    straight = run(lora_args(tiny_teacher, tmp_path / "straight", cache, **common))
+    monkeypatch.setenv("DISTILL_INJECT_FAULT", "exception:4")
+    with pytest.raises(RuntimeError, match="injected exception at step 4"):
+        run(lora_args(tiny_teacher, tmp_path / "resumed", cache, **common))
+    monkeypatch.delenv("DISTILL_INJECT_FAULT")
+    resumed = run(lora_args(tiny_teacher, tmp_path / "resumed", cache, **common))
+    assert resumed.resumed_from.name == "step_00000002"
+    assert straight.student_dir.name == "lora" and straight.ema_dir.name == "lora_ema"
+    for a, b in ((straight.student_dir, resumed.student_dir), (straight.ema_dir, resumed.ema_dir)):
+        x, y = adapters(a), adapters(b)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    # the checkpoint holds adapters only, never the experts' base weights
+    checkpoint = sorted((straight.output_dir / "checkpoints").iterdir())[-1]
+    saved = load_file(str(checkpoint / "student.safetensors"))
+    assert saved and all("lora_" in k for k in saved)
+    assert all("lora_" in k for k in load_file(str(checkpoint / "critic.safetensors")))
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    assert meta["identity"]["lora"] == {
+        "rank": 4,
+        "alpha": 4.0,
+        "targets": list(LoraShape(4, 4.0).targets),
+        "critic_rank": 4,
+    }
+    # the export: scheduler, run settings and a card whose code loads the adapters into the teacher
+    lora_dir = straight.student_dir
+    assert (lora_dir / "scheduler_config.json").is_file() and (
+        lora_dir / WAN_FORMAT_DIR / FILES["low"]
+    ).is_file()
+    settings = json.loads((lora_dir / "run_settings.json").read_text())
+    assert settings["num_inference_steps"] == 4 and settings["guidance_scale"] == 1.0
+    card = (lora_dir / "README.md").read_text()
+    assert "load_into_transformer_2=True" in card and "comfyui/" in card
+    # a changed rank is another run: the resume is refused, naming what changed
+    other = lora_args(tiny_teacher, tmp_path / "resumed", cache, student_lora_rank=8, **common)
+    assert main(other) != 0
+
+
+def test_the_card_generate_and_evaluate_take_a_lora_folder(tiny_teacher, tmp_path, monkeypatch):
+    import re
+
+    from PIL import Image
+
+    from distill import evaluate, generate
+
+    result = run(
+        lora_args(
+            tiny_teacher, tmp_path / "out", tmp_path / "cache", num_steps=2, export_formats="diffusers,merged"
+        )
+    )
+    for name in ("transformer", "transformer_2"):  # --export_formats merged: standalone experts too
+        assert (result.output_dir / "merged" / name / "config.json").is_file()
+    # the model card's code runs as written: stock WanPipeline, load_lora_weights twice, its scheduler
+    monkeypatch.chdir(tmp_path)
+    card = (result.student_dir / "README.md").read_text()
+    exec(re.search(r"```python\n(.*?)```", card, re.S).group(1), {"__name__": "card"})
+    assert Image.open(tmp_path / "sample.png").size == (32, 32)
+    image = tmp_path / "fox.png"
+    assert (
+        generate.main(["--student", str(result.student_dir), "--prompt", "a red fox", "--output", str(image)])
+        == 0
+    )
+    assert image.is_file()
+    out = tmp_path / "eval"
+    argv = ["--student", str(result.student_dir), "--prompts", str(REPO / "data" / "static_prompts.txt")]
+    assert evaluate.main([*argv, "--output_dir", str(out), "--max_prompts", "2", "--num_buckets", "2"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["cost"]["student"]["forwards_per_sample"] == 4  # K steps, one forward each
+    teacher = report["cost"]["teacher"]  # the same experts with adapters off: two forwards per step (CFG)
+    assert teacher["forwards_per_sample"] == 2 * teacher["steps"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        ({"student_config": str(REPO / "config" / "student_tiny.json")}, "--student_config"),
+        ({"student_init": "teacher"}, "--student_init"),
+        ({"export_formats": "diffusers,original"}, "--export_formats"),
+        ({"teacher_placement": "cpu"}, "--teacher_placement"),
+        ({"student_lora_targets": "to_q,proj_out"}, "--student_lora_targets"),
+        ({"method": "velocity", "critic_lora_rank": 4}, "--critic_lora_rank"),
+    ],
+)
+def test_settings_a_lora_student_cannot_have_are_refused_naming_the_flag(
+    tiny_teacher, tmp_path, capsys, extra, flag
+):
+    code = main(lora_args(tiny_teacher, tmp_path / "out", tmp_path / "cache", **extra))
+    err = capsys.readouterr().err
+    assert code == 3 and "ERROR (config)" in err and flag in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_lora_run_under_torchrun_matches_one_process(tiny_teacher, tmp_path):
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
+    env.pop("DISTILL_INJECT_FAULT", None)
+    stderr = {}
+    for nproc, size in ((2, 1), (1, 2)):
+        launcher = [sys.executable]
+        if nproc > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        args = lora_args(
+            tiny_teacher, tmp_path / f"n{nproc}", tmp_path / "cache", batch_size=size, num_steps=3
+        )
+        proc = subprocess.run(
+            [*launcher, str(REPO / "train_distillation.py"), *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            cwd=REPO,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        stderr[nproc] = proc.stderr
+    # Equal losses and gradient norms per step (weights after Adam are not compared: see
+    # assert_same_trajectory), only adapter gradients reduced, and replicas that agree at the end.
+    keys = ("loss", "grad_norm", "critic_loss", "critic_grad_norm")
+    assert_same_trajectory([tmp_path / "n1", tmp_path / "n2"], keys=keys)
+    assert "all 2 ranks hold identical student and critic weights" in stderr[2]
+    assert (tmp_path / "n2" / "lora" / FILES["high"]).is_file()
+
+
+def test_lora_dmd_defaults_to_adapter_rates_and_a_full_critic_keeps_dmds_own(tiny_teacher, tmp_path):
+    def rates(**extra):
+        args = lora_args(
+            tiny_teacher, tmp_path / "o", tmp_path / "c", **{"lr": None, "critic_lr": None, **extra}
+        )
+        cfg = parse_config(args)
+        return cfg.lr, cfg.critic_lr, cfg.lr_scheduler
+
+    assert rates() == (1e-4, 1e-4, "constant")
+    assert rates(critic_lora_rank=0) == (1e-4, 4e-7, "constant")
+    assert rates(lr=5e-4) == (5e-4, 1e-4, "constant")  # what the user gives wins
+
+
+def test_merged_experts_are_standalone_models_that_sample_as_the_adapters_do(tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    from distill.models.lora_files import write_merged_experts
+
+    high, low = tiny_experts()
+    student = lora_run(high, low, critic=False).model(STUDENT_ADAPTER, BOUNDARY)
+    perturb(student, seed=4)
+    inputs = batch()
+    with torch.no_grad():
+        expected = student(**inputs)[0]
+    folder = write_merged_experts(
+        {w: student.expert(w) for w in EXPERTS}, STUDENT_ADAPTER, tmp_path / "merged"
+    )
+    merged = [
+        WanTransformer3DModel.from_pretrained(folder / name) for name in ("transformer", "transformer_2")
+    ]
+    assert not any("lora" in k for k in merged[0].state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(expert_outputs(*merged, inputs), expected, rtol=1e-4, atol=1e-5)
