@@ -7,6 +7,23 @@ from pathlib import Path
 
 import pytest
 
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers transformer/config.json (both experts share it): the real sizes for
+# memory plans, without weights.
+A14B_EXPERT = dict(
+    patch_size=[1, 2, 2],
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=40,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=1024,
+)
+
 
 @pytest.fixture(scope="module")
 def one_thread():

@@ -27,6 +27,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 COMMANDS = {
     "distill.__main__",
     "distill.bench",
+    "distill.demo",
     "distill.doctor",
     "distill.evaluate",
     "distill.generate",

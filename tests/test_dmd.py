@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, repo_pythonpath, train_args
+from conftest import A14B_EXPERT, REPO, repo_pythonpath, train_args
 from safetensors.torch import load_file
 from test_distributed import assert_same_trajectory
 
@@ -254,20 +254,7 @@ def test_dry_run_plan_adds_the_critic_and_says_which_placements_fit():
     from distill.models.teacher import TeacherInfo
     from distill.train.plan import estimate, memory_plan
 
-    a14b_expert = dict(
-        patch_size=[1, 2, 2],
-        num_attention_heads=40,
-        attention_head_dim=128,
-        in_channels=16,
-        out_channels=16,
-        text_dim=4096,
-        freq_dim=256,
-        ffn_dim=13824,
-        num_layers=40,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=1024,
-    )
+    a14b_expert = A14B_EXPERT
     info = TeacherInfo(Path("A14B"), 0.875, 3.0, a14b_expert, 8, 4)
     student = load_student_config(REPO / "config" / "student_config.json", a14b_expert)
     argv = train_args(

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, repo_pythonpath, train_args
+from conftest import A14B_EXPERT, REPO, repo_pythonpath, train_args
 from safetensors.torch import load_file
 from test_distributed import assert_same_trajectory
 
@@ -366,3 +366,74 @@ def test_merged_experts_are_standalone_models_that_sample_as_the_adapters_do(tmp
     assert not any("lora" in k for k in merged[0].state_dict())
     with torch.no_grad():
         torch.testing.assert_close(expert_outputs(*merged, inputs), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_one_expert_at_a_time_trains_only_that_experts_adapter_and_the_low_phase_starts_from_the_high(
+    tiny_teacher, tmp_path
+):
+    cache = tmp_path / "cache"
+    high = run(lora_args(tiny_teacher, tmp_path / "high", cache, expert_phase="high", num_steps=3))
+    fresh = run(lora_args(tiny_teacher, tmp_path / "fresh", cache, num_steps=1, lr=1e-30, critic_lr=1e-30))
+    first, untouched = adapters(high.student_dir), adapters(fresh.student_dir)
+    moved = {
+        w: any(not torch.equal(first[k], untouched[k]) for k in first if k.startswith(w)) for w in EXPERTS
+    }
+    assert moved == {"high": True, "low": False}
+    low = run(
+        lora_args(
+            tiny_teacher,
+            tmp_path / "low",
+            cache,
+            expert_phase="low",
+            student_lora_init=high.student_dir,
+            num_steps=3,
+        )
+    )
+    second = adapters(low.student_dir)
+    assert all(torch.equal(second[k], first[k]) for k in first if k.startswith("high."))  # kept frozen
+    assert any(not torch.equal(second[k], first[k]) for k in first if k.startswith("low."))
+
+
+@pytest.mark.parametrize(
+    ("extra", "fix"),
+    [
+        ({"expert_phase": "low"}, "run --expert_phase high first"),
+        ({"expert_phase": "high", "method": "velocity", "critic_lora_rank": None}, "use --method dmd"),
+        ({"student_lora_init": "nowhere"}, "holds no LoRA adapters"),
+    ],
+)
+def test_phase_settings_that_cannot_work_are_refused_with_the_way_out(
+    tiny_teacher, tmp_path, capsys, extra, fix
+):
+    code = main(lora_args(tiny_teacher, tmp_path / "out", tmp_path / "cache", **extra))
+    err = capsys.readouterr().err
+    assert code == 3 and fix in err and "Traceback" not in err
+
+
+def test_the_memory_plan_holds_the_experts_once_and_counts_what_each_phase_trains(tmp_path):
+    from pathlib import Path
+
+    from distill.models.teacher import TeacherInfo
+    from distill.train.plan import estimate, memory_plan
+
+    a14b = A14B_EXPERT
+    info = TeacherInfo(Path("A14B"), 0.875, 3.0, a14b, 8, 4)
+    cpu, gib = torch.device("cpu"), 2**30
+
+    def plan(**extra):
+        argv = lora_args(
+            Path("t"), Path("o"), Path("c"), student_lora_rank=64, teacher_dtype="bfloat16", **extra
+        )
+        cfg = parse_config([*argv, "--height", "480", "--width", "832", "--gradient_checkpointing"])
+        return cfg, estimate(cfg, info, a14b, cpu, "gpu", 1, a14b)
+
+    cfg, both = plan()
+    _, high = plan(expert_phase="high")
+    adapters_one_expert = 16 * 307e6  # fp32 weights, grads, two AdamW moments
+    assert both.teacher / gib == pytest.approx(53.3, abs=0.5)  # the two experts, once, in bf16
+    assert both.student == pytest.approx(2 * adapters_one_expert, rel=0.01) and both.critic == pytest.approx(
+        both.student
+    )
+    assert high.student == pytest.approx(both.student / 2) and high.teacher == both.teacher
+    text = memory_plan(cfg, info, a14b, cpu, critic_config=a14b)
+    assert "LoRA rank 64" in text and "held once" in text and "LoRA rank 64 on the same experts" in text

@@ -119,6 +119,18 @@ class TrainConfig:
         "Comma-separated module names of each block that get adapters (self- and cross-attention "
         "q/k/v/o and both FFN linears by default).",
     )
+    expert_phase: str = _opt(
+        "both",
+        "dmd with --student_lora_rank: train both experts' adapters at once, or one expert at a time (less "
+        "memory): high first, then low with --student_lora_init <the high phase's lora/>; each phase's "
+        "student steps and score noise levels stay on its side of the boundary.",
+        ("both", "high", "low"),
+    )
+    student_lora_init: str | None = _opt(
+        None,
+        "A lora/ folder of an earlier LoRA run (same rank, alpha and targets) to start the student's adapters "
+        "from (required by --expert_phase low: the high phase's adapters run its first steps).",
+    )
     critic_lora_rank: int | None = _opt(
         None,
         "dmd with --student_lora_rank: rank of the critic's own adapters on the same frozen experts "
@@ -409,12 +421,31 @@ class TrainConfig:
                 "student_lora_rank", "must be 0 (off) or positive", "try --student_lora_rank 64"
             )
         if not self.student_lora_rank:
-            for name in ("student_lora_alpha", "critic_lora_rank"):
+            for name in ("student_lora_alpha", "critic_lora_rank", "student_lora_init"):
                 if getattr(self, name) is not None:
                     raise config_error(
                         name, "needs --student_lora_rank", f"add --student_lora_rank 64, or drop --{name}"
                     )
+            if self.expert_phase != "both":
+                raise config_error(
+                    "expert_phase",
+                    "needs --student_lora_rank",
+                    "add --student_lora_rank 64, or drop --expert_phase",
+                )
             return
+        if self.expert_phase != "both" and self.method != "dmd":
+            raise config_error(
+                "expert_phase",
+                "one expert at a time is a dmd schedule",
+                "use --method dmd, or drop --expert_phase",
+            )
+        if self.expert_phase == "low" and not self.student_lora_init:
+            raise config_error(
+                "expert_phase",
+                "low trains the low-noise adapter on the samples the distilled high-noise adapter starts, "
+                "so it needs that adapter",
+                "run --expert_phase high first, then add --student_lora_init <its output_dir>/lora",
+            )
         given = {
             "student_config": self.student_config is not None,
             "student_init": self.student_init != "random",
@@ -464,6 +495,11 @@ class TrainConfig:
     @property
     def lora_targets(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.student_lora_targets.split(",") if t.strip())
+
+    @property
+    def phase_experts(self) -> tuple[str, ...]:
+        """The experts whose adapters this run trains ("high" = transformer, "low" = transformer_2)."""
+        return ("high", "low") if self.expert_phase == "both" else (self.expert_phase,)
 
     @property
     def lora_alpha(self) -> float:

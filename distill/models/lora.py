@@ -99,9 +99,12 @@ class AdapterSwitch:
         else:
             self.expert.enable_adapters()
             self.expert.set_adapters(name)
-        # peft froze every adapter but the active one (all of them when disabling): undo that.
-        for p in self.trained:
-            p.requires_grad_(True)
+        # peft made the active adapter trainable and froze the others: what trains is this run's
+        # choice (an adapter kept frozen, e.g. the distilled high-noise one, stays frozen).
+        trained = {id(p) for p in self.trained}
+        for key, p in self.expert.named_parameters():
+            if ".lora_" in key:
+                p.requires_grad_(id(p) in trained)
         self.active = name
 
 
@@ -316,8 +319,14 @@ class LoraExperts:
             if unexpected:
                 raise ValueError(f"{which}-noise adapter: keys the expert has no place for: {unexpected[:3]}")
 
-    def model(self, adapter: str, boundary_ratio: float) -> AdapterModel:
-        return AdapterModel(self.switches, adapter, boundary_ratio)
+    def model(self, adapter: str, boundary_ratio: float, trained: Sequence[str] = EXPERTS) -> AdapterModel:
+        """Role `adapter` as one model; only the adapters of the `trained` experts are its parameters
+        (the others run frozen, e.g. the distilled high-noise adapter while the low-noise one trains)."""
+        for which in EXPERTS:
+            if which not in trained:
+                for p in adapter_parameters(self.switches[which].expert, adapter):
+                    p.requires_grad_(False)
+        return AdapterModel(self.switches, adapter, boundary_ratio, trained)
 
     def teacher_views(self) -> tuple[ExpertView, ExpertView]:
         return ExpertView(self.switches["high"], None), ExpertView(self.switches["low"], None)

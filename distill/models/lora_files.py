@@ -188,3 +188,26 @@ def write_merged_experts(experts: Mapping[str, torch.nn.Module], adapter: str, o
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def lora_start(folder: str | Path, shape: LoraShape) -> dict[str, dict[str, torch.Tensor]]:
+    """The adapters of `folder` (--student_lora_init), refused unless they have this run's shape."""
+    if not is_lora_folder(folder):
+        raise DistillError(
+            f"--student_lora_init {folder} holds no LoRA adapters",
+            f"expected {', '.join(FILES.values())} there",
+            fixes=["pass the lora/ folder an earlier LoRA run wrote into its --output_dir"],
+            stage=Stage.CONFIG,
+        )
+    found, states = read_lora_folder(folder)
+    if found != shape:
+        raise DistillError(
+            f"--student_lora_init {folder} has other adapters than this run asks for",
+            f"there: rank {found.rank}, alpha {found.alpha:g}, targets {','.join(found.targets)}\n"
+            f"this run: rank {shape.rank}, alpha {shape.alpha:g}, targets {','.join(shape.targets)}",
+            fixes=[
+                "use the same --student_lora_rank, --student_lora_alpha and --student_lora_targets as that run"
+            ],
+            stage=Stage.CONFIG,
+        )
+    return states

@@ -85,9 +85,10 @@ def plot_eval(result: dict[str, Any], out_png: str | Path) -> Path:
     fig, axes = plt.subplots(
         1, len(ratios), figsize=(5 * len(ratios), 4), gridspec_kw={"width_ratios": ratios}
     )
-    _plot_denoiser(axes[0], result["denoiser"], result["boundary_timestep"])
-    _plot_sampler(axes[1], result["sampler"])
-    _plot_cost(axes[2], result["cost"])
+    cost = result["cost"]
+    _plot_denoiser(axes[0], result["denoiser"], result["boundary_timestep"], _guidance(cost["teacher"]))
+    _plot_sampler(axes[1], result["sampler"], f"{_who('student', cost)} vs {_who('teacher', cost)}")
+    _plot_cost(axes[2], cost)
     if toy:
         plot_toy(axes[3], toy)
     step = result.get("step")
@@ -96,7 +97,20 @@ def plot_eval(result: dict[str, Any], out_png: str | Path) -> Path:
     return save_figure(fig, out_png)
 
 
-def _plot_denoiser(ax: Any, denoiser: dict[str, Any], boundary: float) -> None:
+def _guidance(entry: dict[str, Any]) -> str:
+    """'4 / 3' for the teacher's two experts, '1' for a student (older eval.json: unknown)."""
+    scales = entry.get("guidance_scale")
+    return " / ".join(f"{g:g}" for g in scales) if scales else "?"
+
+
+def _who(name: str, cost: dict[str, Any], sep: str = ", ") -> str:
+    """A model as every label names it: which one, its steps and its guidance."""
+    entry = cost[name]
+    model = "teacher" if name.startswith("teacher") else "student"
+    return f"{model}{sep}{entry['steps']} steps{sep}guidance {_guidance(entry)}"
+
+
+def _plot_denoiser(ax: Any, denoiser: dict[str, Any], boundary: float, guidance: str) -> None:
     buckets = [b for b in denoiser["buckets"] if b["count"]]
     centres = [(b["t_min"] + b["t_max"]) / 2 for b in buckets]
     widths = [0.8 * (b["t_max"] - b["t_min"]) for b in buckets]
@@ -105,7 +119,8 @@ def _plot_denoiser(ax: Any, denoiser: dict[str, Any], boundary: float) -> None:
     ax.legend(loc="lower left", fontsize=8)
     experts = denoiser["by_expert"]
     ax.set_title(
-        f"denoiser MSE (lower is better)\nhigh-noise {experts['high_noise']['mse']:.4g}, "
+        f"denoiser: student vs teacher at guidance {guidance}, same x_t\n"
+        f"MSE (lower is better): high-noise {experts['high_noise']['mse']:.4g}, "
         f"low-noise {experts['low_noise']['mse']:.4g}, all {denoiser['mse']:.4g}",
         fontsize=10,
     )
@@ -114,7 +129,7 @@ def _plot_denoiser(ax: Any, denoiser: dict[str, Any], boundary: float) -> None:
     ax.set_xlim(0, 1000)
 
 
-def _plot_sampler(ax: Any, sampler: dict[str, Any]) -> None:
+def _plot_sampler(ax: Any, sampler: dict[str, Any], who: str) -> None:
     rows = sampler["per_prompt"]
     positions = list(range(len(rows)))
     bars = ax.bar(positions, [r["frame_psnr_db"] for r in rows], color="tab:green")
@@ -129,7 +144,7 @@ def _plot_sampler(ax: Any, sampler: dict[str, Any]) -> None:
         )
     ax.set_ylim(0, max([r["frame_psnr_db"] for r in rows] + [1.0]) * 1.3)  # room for the labels
     ax.set_title(
-        f"sampler PSNR, same noise (higher is better)\nmean {sampler['frame_psnr_db']:.2f} dB, "
+        f"sampler PSNR, same noise (higher is better)\n{who}\nmean {sampler['frame_psnr_db']:.2f} dB, "
         f"latent MSE {sampler['latent_mse']:.4g}",
         fontsize=10,
     )
@@ -141,7 +156,7 @@ def _plot_cost(ax: Any, cost: dict[str, Any]) -> None:
     names = ("teacher", "student")
     seconds = [cost[n]["seconds_per_sample"] for n in names]
     bars = ax.bar([0, 1], seconds, color=["tab:gray", "tab:orange"])
-    ax.set_xticks([0, 1], names)
+    ax.set_xticks([0, 1], [_who(n, cost, "\n") for n in names], fontsize=8)
     for bar, name in zip(bars, names):
         ax.annotate(
             f"{cost[name]['forwards_per_sample']:.0f} forwards",
@@ -164,13 +179,13 @@ def _plot_cost(ax: Any, cost: dict[str, Any]) -> None:
 
 
 def plot_toy(ax: Any, toy: dict[str, Any]) -> None:
-    """eval.png's toy panel: accuracy and diversity gap of teacher, teacher at the student's steps, student."""
+    """eval.png's toy panel: accuracy and diversity gap of teacher, teacher at the student's steps, student.
+
+    Each bar says its model, steps and guidance: with a student at the teacher's own step count the
+    first two are the same samples, and must not read like two different teachers."""
     names = ("teacher", "teacher_at_student_steps", "student")
-    labels = [
-        f"teacher\n{toy['teacher']['steps']} steps",
-        f"teacher\n{toy['student']['steps']} steps",
-        "student",
-    ]
+    roles = ("full steps", "student's steps", "")
+    labels = [_who(n, toy, "\n") + (f"\n({role})" if role else "") for n, role in zip(names, roles)]
     positions = np.arange(len(names))
     accuracy = [toy[n]["accuracy"] for n in names]
     gap = [toy[n]["diversity_gap"] or 0.0 for n in names]  # None: no shape found at all
@@ -181,6 +196,6 @@ def plot_toy(ax: Any, toy: dict[str, Any]) -> None:
         ax.text(x + 0.2, g, f"{g:.2f}", ha="center", va="bottom", fontsize=8)
     ax.axhline(toy["chance"]["all"], color="gray", linestyle=":", linewidth=1)
     ax.set_xticks(positions, labels, fontsize=8)
-    ax.set_ylim(0, max(1.1, max(gap) * 1.15))
+    ax.set_ylim(0, max(1.3, max(gap) * 1.15))  # room for the legend above the bars
     ax.legend(loc="upper right", fontsize=7)
     ax.set_title(f"toy world: what the pictures show ({toy['prompts']} prompts)", fontsize=10)

@@ -45,6 +45,7 @@ def run_identity(
                     "alpha": cfg.lora_alpha,
                     "targets": list(cfg.lora_targets),
                     "critic_rank": cfg.critic_adapter_rank if cfg.method == "dmd" else None,
+                    **({"expert_phase": cfg.expert_phase} if cfg.expert_phase != "both" else {}),
                 }
             }
             if cfg.student_lora_rank

@@ -56,14 +56,15 @@ def trained_parameters(
             count_parameters(critic_config) if critic_config is not None else None
         )
     expert = info.expert_config
-    student = 2 * count_adapter_parameters(
+    trained = len(cfg.phase_experts)  # --expert_phase high|low trains one expert's adapters
+    student = trained * count_adapter_parameters(
         expert, LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets)
     )
     if cfg.method != "dmd":
         return student, None
     rank = cfg.critic_adapter_rank
     critic = (
-        2 * count_adapter_parameters(expert, LoraShape(rank, float(rank), cfg.lora_targets))
+        trained * count_adapter_parameters(expert, LoraShape(rank, float(rank), cfg.lora_targets))
         if rank
         else 2 * count_parameters(expert)
     )

@@ -25,6 +25,7 @@ from distill.data.dataset import DistillationDataset
 from distill.data.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
 from distill.data.prompts import read_prompts
 from distill.models.lora import CRITIC_ADAPTER, STUDENT_ADAPTER, ExpertCopies, LoraExperts, LoraShape
+from distill.models.lora_files import lora_start
 from distill.models.original.configs import check_original_exportable
 from distill.models.student import build_student, init_student_from_teacher, load_pretrained_student
 from distill.models.student_config import load_student_config
@@ -108,6 +109,10 @@ class Distiller:
             else load_student_config(cfg.student_config, self.info.expert_config)
         )
         self.lora: LoraExperts | None = None  # the shared experts' adapters, once loaded
+        if cfg.student_lora_init:  # a wrong start is refused before anything heavy, too
+            lora_start(
+                cfg.student_lora_init, LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets)
+            )
         if "original" in cfg.export_formats.split(","):  # refused now, not after training
             check_original_exportable(
                 self.student_config,
@@ -291,13 +296,13 @@ class Distiller:
                 copy.deepcopy(high).float(), copy.deepcopy(low).float(), self.info.boundary_ratio
             )
         critic = cfg.critic_adapter_rank if "critic" in self.model_specs else 0
-        return LoraExperts(
-            high,
-            low,
-            LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets),
-            LoraShape(critic, float(critic), cfg.lora_targets) if critic else None,
-            cfg.seed,
+        shape = LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets)
+        lora = LoraExperts(
+            high, low, shape, LoraShape(critic, float(critic), cfg.lora_targets) if critic else None, cfg.seed
         )
+        if cfg.student_lora_init:
+            lora.load(STUDENT_ADAPTER, lora_start(cfg.student_lora_init, shape))
+        return lora
 
     def init_from_teacher(
         self, config: dict[str, Any], expert: torch.nn.Module, name: str = "student"
@@ -331,9 +336,8 @@ class Distiller:
         config, init = self.model_specs[name]
         if init == "lora":
             assert self.lora is not None
-            model = self.lora.model(
-                STUDENT_ADAPTER if name == "student" else CRITIC_ADAPTER, self.info.boundary_ratio
-            )
+            adapter = STUDENT_ADAPTER if name == "student" else CRITIC_ADAPTER
+            model = self.lora.model(adapter, self.info.boundary_ratio, cfg.phase_experts)
         elif init in ("teacher", "copy"):
             model = self.early_models.pop(name)
         elif init == "random":

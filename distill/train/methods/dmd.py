@@ -149,6 +149,12 @@ class DmdMethod(Method):
         self.scheduler = few_step_scheduler(cfg.student_shift, cfg.student_shift_terminal)
         self.timesteps, self.sigmas = student_grid(self.scheduler, cfg.student_steps)
         check_grid(self.timesteps, env.teacher.boundary_ratio, cfg.student_shift)
+        # --expert_phase: the student steps, and the noise levels of the score and the critic, on one
+        # side of the boundary (published phased recipes keep each expert's DMD inside its range).
+        self.phase = cfg.expert_phase
+        high = high_noise_mask(self.timesteps, env.teacher.boundary_ratio)
+        keep = {"both": torch.ones_like(high), "high": high, "low": ~high}[self.phase]
+        self.step_choices = [i for i in range(len(self.timesteps)) if keep[i]]
         self.trend = CriticLossTrend()
         advice = guided_stage_one(cfg.student_init)
         if advice:
@@ -180,6 +186,15 @@ class DmdMethod(Method):
     def metric_prefix(self, name: str) -> str:
         return "" if name == "student" else "critic_"
 
+    def in_phase(self, uniform: torch.Tensor) -> torch.Tensor:
+        """Uniform [0, 1) numbers moved into the part of [0, 1) whose shifted sigma lies on this
+        phase's side of the boundary (shift_sigmas is monotonic: invert it at the boundary)."""
+        shift, boundary = self.env.shift, self.env.teacher.boundary_ratio
+        at_boundary = boundary / (shift - (shift - 1.0) * boundary)
+        if self.phase == "high":
+            return at_boundary + uniform * (1.0 - at_boundary)
+        return uniform * at_boundary
+
     # -- the student's samples ---------------------------------------------------------------
     def generate(
         self,
@@ -199,7 +214,7 @@ class DmdMethod(Method):
         env, device = self.env, self.env.device
         shape = tuple(batch["x0"].shape)
         n = shape[0]
-        k = rng.integer(len(self.timesteps))
+        k = self.step_choices[rng.integer(len(self.step_choices))]
         if self.cfg.dmd_inputs == "simulate":
             # Backward simulation: the student's own rollout from noise, without gradient, to step k.
             x = rng.noise(shape)
@@ -240,7 +255,11 @@ class DmdMethod(Method):
         env = self.env
         with torch.no_grad():
             x0_hat, _ = self.generate(batch, cond, rng, self.models["student"])
-        sigmas, _ = rng.sigmas(x0_hat.shape[0], env.shift)
+        if self.phase == "both":
+            sigmas, _ = rng.sigmas(x0_hat.shape[0], env.shift)
+        else:
+            uniform, _ = rng.uniform(x0_hat.shape[0])
+            sigmas = shift_sigmas(self.in_phase(uniform.clamp(1e-4, 1.0 - 1e-4)), env.shift)
         noise = rng.noise(tuple(x0_hat.shape))
         timesteps = sigmas_to_timesteps(sigmas).to(env.device)
         x_t = add_noise(x0_hat, noise, sigmas)
@@ -265,6 +284,8 @@ class DmdMethod(Method):
         x0_hat, first = self.generate(batch, cond, rng, student, regression)
         batch_size = x0_hat.shape[0]
         uniform, every = rng.uniform(batch_size)
+        if self.phase != "both":
+            uniform, every = self.in_phase(uniform), self.in_phase(every)
         sigmas = score_sigmas(uniform, env.shift)
         high_anywhere = high_noise_mask(
             sigmas_to_timesteps(score_sigmas(every, env.shift)), env.teacher.boundary_ratio

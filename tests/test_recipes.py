@@ -1,0 +1,97 @@
+"""Every recipe in config/recipes/ is a config file the trainer reads, and what its header promises
+holds: the command parses, the memory plan for the real A14B sizes fits the recipe's GPUs, and the
+memory per GPU the header states is the plan's.
+
+The teacher is described, not loaded: the A14B expert's config (as in its transformer/config.json)
+is enough for the plan, so the test needs no weights and no GPU."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import A14B_EXPERT, REPO
+
+from distill.config.cli import parse_config
+from distill.models.student_config import load_student_config
+from distill.models.teacher import TeacherInfo
+from distill.train.plan import GIB, HEADROOM, REFERENCE_GPU_BYTES, estimate, memory_plan
+
+RECIPES = sorted((REPO / "config" / "recipes").glob("*.yaml"))
+A14B = TeacherInfo(Path("models/Wan2.2-T2V-A14B-Diffusers"), 0.875, 3.0, A14B_EXPERT, 8, 4)
+MEMORY = re.compile(
+    r"Memory per GPU \(--dry_run plan, (\d+) ranks?, teacher (sharded|on the CPU|on the GPU)\): ([\d.]+) GiB"
+)
+PLACEMENT_WORDS = {"sharded": "shard", "on the CPU": "cpu", "on the GPU": "gpu"}
+GPU_MEMORY = re.compile(r"^# GPU memory: (\d+) GB$", re.M)  # stated when it is not an 80 GB GPU
+
+
+def header(recipe: Path) -> str:
+    """The comment block the file starts with."""
+    lines = recipe.read_text().splitlines()
+    return "\n".join(
+        line for line in lines[: next(i for i, text in enumerate(lines) if not text.startswith("#"))]
+    )
+
+
+def command(recipe: Path) -> tuple[int, list[str]]:
+    """The header's command: its world size (torchrun's --nproc_per_node, else 1) and the trainer's arguments."""
+    line = next(text.lstrip("# ") for text in header(recipe).splitlines() if "train_distillation.py" in text)
+    words = shlex.split(line)
+    script = words.index("train_distillation.py")
+    nproc = next((int(w.split("=")[1]) for w in words[:script] if w.startswith("--nproc_per_node=")), 1)
+    return nproc, words[script + 1 :]
+
+
+def test_there_are_recipes_for_both_stages_on_one_and_on_eight_gpus():
+    names = {r.stem for r in RECIPES}
+    assert {
+        "a14b-1.3b-stage1-8x80gb",
+        "a14b-1.3b-stage2-dmd-8x80gb",
+        "a14b-1.3b-stage1-1x80gb",
+        "a14b-1.3b-stage2-dmd-1x80gb",
+    } <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.stem)
+def test_the_recipe_parses_fits_its_gpus_and_states_the_plans_memory(recipe: Path):
+    text = header(recipe)
+    assert text.startswith("# ") and "Makes " in text, "the header says what the recipe makes"
+    world, argv = command(recipe)
+    assert argv[:2] == ["--config", f"config/recipes/{recipe.name}"], "the command runs this very file"
+    cfg = parse_config([*argv[:1], str(REPO / argv[1]), *argv[2:]])
+    # Also with the paths a user passes on top: flags win over the file.
+    moved = parse_config(["--config", str(recipe), "--teacher_path", "/data/wan", "--output_dir", "/runs/x"])
+    assert (moved.teacher_path, moved.output_dir, moved.method) == ("/data/wan", "/runs/x", cfg.method)
+
+    # The plan is the one --dry_run prints: placement named (auto would depend on the machine), bf16 teacher.
+    assert cfg.teacher_placement in ("gpu", "cpu", "shard") and cfg.teacher_dtype == "bfloat16"
+    assert (cfg.teacher_placement == "shard") == (world > 1)
+    if cfg.student_lora_rank:  # the student (and the critic) are the teacher's experts with adapters
+        student = critic = A14B_EXPERT
+    else:
+        student = load_student_config(REPO / cfg.student_config, A14B_EXPERT)
+        critic = None
+        if cfg.method == "dmd":
+            critic = load_student_config(REPO / (cfg.critic_config or cfg.student_config), A14B_EXPERT)
+            assert cfg.student_init != "random"
+    cpu = torch.device("cpu")
+    need = estimate(cfg, A14B, student, cpu, cfg.teacher_placement, world, critic).total
+    gpu = GPU_MEMORY.search(text)
+    capacity = float(gpu[1]) * 1e9 if gpu else REFERENCE_GPU_BYTES
+    usable = capacity * HEADROOM
+    assert need <= usable, f"{recipe.name}: {need / GIB:.2f} GiB per GPU, {usable / GIB:.1f} usable"
+    plan = memory_plan(cfg, A14B, student, cpu, world, min(world, 8), critic_config=critic)
+    verdict = next(line for line in plan.splitlines() if line.startswith("fits "))
+    assert f"{cfg.teacher_placement} {'yes' if not gpu else 'no'}" in verdict, plan  # the plan measures 80 GB
+
+    stated = MEMORY.search(text)
+    assert stated, (
+        f"{recipe.name}: the header states 'Memory per GPU (--dry_run plan, N ranks, teacher ...): X GiB'"
+    )
+    ranks, where, gib = int(stated[1]), PLACEMENT_WORDS[stated[2]], float(stated[3])
+    assert (ranks, where) == (world, cfg.teacher_placement)
+    assert gib == round(need / GIB, 2), f"the plan says {need / GIB:.2f} GiB"
