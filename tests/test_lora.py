@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,6 +136,10 @@ def test_exported_adapters_load_into_stock_diffusers_and_the_wan_format_reads_ba
     perturb(student, seed=3)
     shape = LoraShape(4, 8.0)  # alpha != rank: the strength must travel with the files
     folder = write_lora_folder({w: student.state(w) for w in EXPERTS}, shape, tmp_path / "lora")
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (folder / FILES["high"], folder / WAN_FORMAT_DIR / FILES["low"]):  # readable as any export
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
     inputs = batch()
     with torch.no_grad():
         expected = student(**inputs)[0]
@@ -437,3 +442,45 @@ def test_the_memory_plan_holds_the_experts_once_and_counts_what_each_phase_train
     assert high.student == pytest.approx(both.student / 2) and high.teacher == both.teacher
     text = memory_plan(cfg, info, a14b, cpu, critic_config=a14b)
     assert "LoRA rank 64" in text and "held once" in text and "LoRA rank 64 on the same experts" in text
+
+
+def test_a_rank_above_what_the_layers_hold_is_refused_before_anything_is_written(
+    tiny_teacher, tmp_path, capsys
+):
+    # the tiny experts are 24 wide
+    code = main(lora_args(tiny_teacher, tmp_path / "out", tmp_path / "cache", student_lora_rank=32))
+    err = capsys.readouterr().err
+    assert code == 3 and "--student_lora_rank 32 is larger than the teacher's layers allow (24)" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_lora_run_and_a_full_student_run_never_resume_each_other(tiny_teacher, tmp_path, capsys):
+    full = train_args(tiny_teacher, tmp_path / "full", tmp_path / "cache", method="dmd", height=32, width=32)
+    lora_into_full = lora_args(tiny_teacher, tmp_path / "full", tmp_path / "cache")
+    lora = lora_args(tiny_teacher, tmp_path / "lora", tmp_path / "cache", num_steps=2)
+    full_into_lora = train_args(
+        tiny_teacher, tmp_path / "lora", tmp_path / "cache", method="dmd", height=32, width=32
+    )
+    for first, second in ((full, lora_into_full), (lora, full_into_lora)):
+        assert main([*first, "--checkpoint_every", "1", "--num_steps", "2"]) == 0
+        out = Path(first[first.index("--output_dir") + 1])
+        kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+        capsys.readouterr()
+        assert main([*second, "--checkpoint_every", "1", "--num_steps", "4"]) == 9
+        err = capsys.readouterr().err
+        assert "was made with a different" in err and "Traceback" not in err
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept  # nothing lost
+
+
+def test_adapters_for_another_teacher_are_refused_naming_the_folder(tiny_teacher, tmp_path, capsys):
+    from distill import evaluate
+    from distill.models.tiny import TinyTeacherShape, write_tiny_teacher
+
+    result = run(lora_args(tiny_teacher, tmp_path / "out", tmp_path / "cache", num_steps=1))
+    wider = write_tiny_teacher(tmp_path / "wider", shape=TinyTeacherShape(attention_head_dim=16))
+    argv = ["--student", str(result.student_dir), "--teacher_path", str(wider)]
+    argv += ["--prompts", str(REPO / "data" / "static_prompts.txt"), "--output_dir", str(tmp_path / "eval")]
+    capsys.readouterr()
+    assert evaluate.main(argv) == 3
+    err = capsys.readouterr().err
+    assert "do not fit this teacher's experts" in err and str(result.student_dir) in err

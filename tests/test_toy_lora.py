@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import REPO, train_args
+from diffusers import WanPipeline
 
 from distill.config.cli import parse_config
 from distill.models.few_step import load_few_step_scheduler
+from distill.models.lora_files import FILES
 from distill.models.teacher import inspect_teacher
 from distill.sample.student_folder import load_lora_student
 from distill.toy.evaluation import EVAL_PROMPTS, eval_prompts, sample_pictures, score_pictures
@@ -69,3 +71,23 @@ def test_a_four_step_lora_of_the_teachers_experts_beats_the_teacher_at_four_step
     # measured: LoRA 0.958 after 300 steps; the teacher 0.944 at 20 steps and 0.70 at 4
     assert lora["accuracy"] >= 0.9, lora
     assert lora["accuracy"] > teacher_4["accuracy"] + 0.15, (lora["accuracy"], teacher_4["accuracy"])
+
+    # The same files as users load them: stock WanPipeline + load_lora_weights, not our loader.
+    pipe = WanPipeline.from_pretrained(str(toy_teacher))
+    folder = str(lora_run.student_dir)
+    pipe.load_lora_weights(folder, weight_name=FILES["high"], adapter_name="fast")
+    pipe.load_lora_weights(
+        folder, weight_name=FILES["low"], adapter_name="fast_2", load_into_transformer_2=True
+    )
+    stock = score_pictures(
+        sample_pictures(
+            toy_teacher,
+            every,
+            transformer=pipe.transformer,
+            transformer_2=pipe.transformer_2,
+            steps=4,
+            scheduler=scheduler,
+        ),
+        every,
+    )
+    assert abs(stock["accuracy"] - lora["accuracy"]) <= 2 / len(every), (stock["accuracy"], lora["accuracy"])

@@ -67,7 +67,12 @@ def staging_folder(out_dir: Path) -> Path:
 
 
 def swap_into_place(staging: Path, out_dir: Path) -> None:
-    """Rename the finished `staging` to `out_dir`; an existing `out_dir` is replaced only now."""
+    """Rename the finished `staging` to `out_dir`; an existing `out_dir` is replaced only now. Its files
+    become readable like any the user writes (some writers create them 0600 through a temporary file)."""
+    mode = 0o666 & ~current_umask()
+    for path in staging.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
     fsync_tree(staging)
     if out_dir.exists():
         retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))

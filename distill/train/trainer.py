@@ -65,6 +65,24 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 
 
+def check_lora_ranks(cfg: TrainConfig, expert_config: dict[str, Any]) -> None:
+    """Refuse an adapter rank above what the smallest targeted layer of the experts can hold."""
+    width = expert_config["num_attention_heads"] * expert_config["attention_head_dim"]
+    limit = min(width, expert_config["ffn_dim"])
+    ranks = {"student_lora_rank": cfg.student_lora_rank}
+    if cfg.method == "dmd" and cfg.critic_adapter_rank:
+        ranks["critic_lora_rank"] = cfg.critic_adapter_rank
+    for flag, rank in ranks.items():
+        if rank > limit:
+            raise DistillError(
+                f"--{flag} {rank} is larger than the teacher's layers allow ({limit})",
+                f"The experts are {width} wide (ffn {expert_config['ffn_dim']}): a rank above the smaller "
+                "side of a layer adds parameters without adding anything a full update could not do.",
+                fixes=[f"use --{flag} {min(64, limit)} (published Wan LoRAs use 64 or less)"],
+                stage=Stage.CONFIG,
+            )
+
+
 def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[str, Any]) -> None:
     """Refuse a training size the teacher or the student cannot denoise (see check_sample_size)."""
     from distill.models.pipelines import SizeLimits, check_sample_size
@@ -109,6 +127,8 @@ class Distiller:
             else load_student_config(cfg.student_config, self.info.expert_config)
         )
         self.lora: LoraExperts | None = None  # the shared experts' adapters, once loaded
+        if cfg.student_lora_rank:
+            check_lora_ranks(cfg, self.info.expert_config)
         if cfg.student_lora_init:  # a wrong start is refused before anything heavy, too
             lora_start(
                 cfg.student_lora_init, LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets)
