@@ -361,14 +361,17 @@ class SampleMonitor:
         if not self.is_main:
             return mine
         files = self._round_files(step)
+        settings = self.settings
+        student_steps = settings.student_steps if settings.few_step else settings.sample_steps
+        # Every row says its model, steps and guidance: the two can run different step counts.
+        teacher = f"teacher\n{settings.sample_steps} steps\nguidance {settings.guidance_scale:g} / {settings.guidance_scale_2:g}"
+        student_label = f"student\n{student_steps} steps\nguidance 1"
         rows = [
-            ("teacher", first_frames(self.teacher_files)),
-            ("student", first_frames(files)),
+            (teacher, first_frames(self.teacher_files)),
+            (student_label, first_frames(files)),
             ("teacher latent", self._teacher_previews),
             ("student latent", self._collect_previews(step)),
         ]
-        settings = self.settings
-        student_steps = settings.student_steps if settings.few_step else settings.sample_steps
         grid = write_grid(
             rows,
             self.sample_dir / f"grid_step_{step:08d}.png",
