@@ -82,7 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare a distilled student with the Wan 2.2 teacher: eval.json and eval.png.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--student", required=True, help="The exported student folder (OUTPUT/student).")
+    parser.add_argument(
+        "--student",
+        required=True,
+        help="The exported student folder (OUTPUT/student; OUTPUT/lora for a LoRA run).",
+    )
     parser.add_argument(
         "--teacher_path",
         help="The Wan 2.2 A14B teacher (diffusers folder or hub id); default: the one the student's run used.",

@@ -292,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
-        "--student", help="The exported student folder (OUTPUT/student or OUTPUT/student_ema)."
+        "--student",
+        help="The exported student folder (OUTPUT/student or OUTPUT/student_ema; OUTPUT/lora for a LoRA run).",
     )
     run = "default: the student's run_settings.json, else"
     parser.add_argument(

@@ -1,6 +1,6 @@
 """The training loop every method shares: ranks, data order, accumulation, clipping, the
-non-finite check, one optimizer and LR schedule per trained model, EMA, checkpoints, logging,
-signals and export.
+non-finite check, one optimizer and LR schedule per trained model, EMA, checkpoints, logging and
+signals. What a finished run writes is distill/train/export.py.
 
 What a step computes comes from the method (distill/train/methods/): velocity trains the student on
 the teacher's guided velocities; dmd trains a few-step student and its critic. Under torchrun each
@@ -8,7 +8,7 @@ trained model is wrapped in DDP; each rank handles its slice of one global batch
 does not depend on how many processes share it.
 
 Longer than 500 lines because it is one class whose parts (step, optimizer step, checkpoint,
-resume, logging, export) read and write the same run state; split across modules they would pass
+resume, logging) read and write the same run state; split across modules they would pass
 that whole state back and forth.
 """
 
@@ -27,18 +27,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distill.config.settings import TrainConfig
 from distill.data.dataset import DistillationDataset, ResumableSampler
-from distill.models.lora import EXPERTS, AdapterModel, RoutedModel
-from distill.models.lora_files import write_lora_folder, write_merged_experts
-from distill.models.original.export import export_original
-from distill.models.student import export_student, unwrap_model
+from distill.models.lora import RoutedModel
+from distill.models.student import unwrap_model
 from distill.models.teacher import GuidedTeacher
 from distill.ops import distributed as dist_utils
 from distill.ops import watchdog, workers
 from distill.ops.errors import DistillError, Progress, Stage
 from distill.ops.faults import FaultInjector
 from distill.report.monitor import SampleMonitor
-from distill.sample.model_card import document_export
-from distill.sample.run_settings import settings_from_run
 from distill.train import checkpoint as ckpt
 from distill.train.methods import method_class
 from distill.train.methods.base import BatchRandomness, MethodEnv
@@ -621,100 +617,3 @@ class TrainingLoop:
                 if count:
                     metrics[f"{prefix}{extra}"] = value / count
         return self.method.finish_metrics(metrics)
-
-    # -- export ------------------------------------------------------------------------------
-    def export(self) -> tuple[Path | None, Path | None]:
-        """Rank 0 writes student/ (and student_ema/); the others wait for it."""
-        student_dir = ema_dir = None
-        if self.ctx.is_main:
-            student = unwrap_model(self.student)
-            if isinstance(student, AdapterModel):
-                return self._export_lora(student)
-            scheduler = self.method.export_scheduler()
-            kept = ckpt.complete_checkpoints(ckpt.checkpoint_root(self.output_dir))
-            resume_from = kept[-1].name if kept else None
-            student_dir = export_student(student, self.output_dir / "student", resume_from=resume_from)
-            if scheduler is not None:  # a few-step student ships the scheduler it samples with
-                scheduler.save_pretrained(student_dir)
-            original = "original" in self.cfg.export_formats.split(",")
-            if original:
-                export_original(student_dir, self.output_dir / "student_original.safetensors")
-            if self.ema is not None:
-                params = list(student.parameters())
-                self.ema.store(params)
-                self.ema.copy_to(params)
-                try:
-                    ema_dir = export_student(
-                        student, self.output_dir / "student_ema", resume_from=resume_from
-                    )
-                    if scheduler is not None:
-                        scheduler.save_pretrained(ema_dir)
-                    if original:
-                        export_original(ema_dir, self.output_dir / "student_ema_original.safetensors")
-                finally:
-                    self.ema.restore(params)
-            # How the student samples: the method says (dmd: its K steps and scheduler, guidance 1).
-            settings = settings_from_run(
-                self.cfg, self.distiller.info, self.step, **self.method.sampling_settings()
-            )
-            pipeline_dir = self._write_pipeline_folder(ema_dir or student_dir, settings.scheduler)
-            document_export(self.output_dir, settings, student_dir, ema_dir, pipeline_dir)
-        dist_utils.barrier()
-        return student_dir, ema_dir
-
-    def _export_lora(self, student: AdapterModel) -> tuple[Path | None, Path | None]:
-        """lora/ (and lora_ema/): the student's adapters in diffusers' and Wan's key names, with the
-        scheduler it samples with, run_settings.json and a model card. Called on rank 0 only."""
-        scheduler = self.method.export_scheduler()
-        shape = self.distiller.lora.shapes[student.adapter]
-
-        def write(folder: Path) -> Path:
-            out = write_lora_folder({which: student.state(which) for which in EXPERTS}, shape, folder)
-            if scheduler is not None:
-                scheduler.save_pretrained(out)
-            return out
-
-        lora_dir, ema_dir = write(self.output_dir / "lora"), None
-        if self.ema is not None:
-            params = list(student.parameters())
-            self.ema.store(params)
-            self.ema.copy_to(params)
-            try:
-                ema_dir = write(self.output_dir / "lora_ema")
-            finally:
-                self.ema.restore(params)
-        if "merged" in self.cfg.export_formats.split(","):  # the EMA adapters when there are some
-            params = list(student.parameters())
-            if self.ema is not None:
-                self.ema.store(params)
-                self.ema.copy_to(params)
-            try:
-                experts = {which: student.expert(which) for which in EXPERTS}
-                merged = write_merged_experts(experts, student.adapter, self.output_dir / "merged")
-                logger.info("the experts with the adapters merged in: %s", merged)
-            finally:
-                if self.ema is not None:
-                    self.ema.restore(params)
-        settings = settings_from_run(
-            self.cfg, self.distiller.info, self.step, **self.method.sampling_settings()
-        )
-        document_export(self.output_dir, settings, lora_dir, ema_dir, student_kind="lora")
-        logger.info("LoRA adapters for both experts in %s (diffusers and comfyui/ key formats)", lora_dir)
-        dist_utils.barrier()
-        return lora_dir, ema_dir
-
-    def _write_pipeline_folder(self, student_dir: Path, scheduler: dict[str, Any] | None) -> Path | None:
-        """<output_dir>/pipeline/: WanPipeline.from_pretrained-ready, linking the teacher's parts (no copies)."""
-        from distill.sample.pipeline_folder import write_pipeline_folder
-
-        try:
-            path = write_pipeline_folder(self.output_dir, self.distiller.info.path, student_dir, scheduler)
-            logger.info(
-                "WanPipeline.from_pretrained(%r) loads the student with the teacher's text encoder and VAE "
-                "(sample it as its README.md shows)",
-                str(path),
-            )
-            return path
-        except DistillError as exc:  # e.g. no symlinks on this file system: the student itself is fine
-            logger.warning("no pipeline/ folder: %s (use python -m distill.generate instead)", exc.title)
-            return None

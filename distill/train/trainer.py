@@ -43,6 +43,7 @@ from distill.ops.errors import DistillError, Progress, Stage
 from distill.ops.output_dir import hold_output_dir, writable_folder
 from distill.report.monitor import SampleMonitor, SampleSettings
 from distill.train import checkpoint as ckpt
+from distill.train.export import export_run
 from distill.train.identity import check_identity, run_identity
 from distill.train.loop import RunResult, TrainingLoop
 from distill.train.methods import method_class
@@ -465,7 +466,7 @@ class Distiller:
                 stage=Stage.TRAINING,
             )
         if result.stopped_by_signal is None:
-            result.student_dir, result.ema_dir = loop.export()
+            result.student_dir, result.ema_dir = export_run(loop)
         # No rank leaves before rank 0 has finished writing: under torchrun the first rank to exit
         # with a non-zero code (75 after a preemption) makes the agent stop the others.
         dist_utils.barrier()

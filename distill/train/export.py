@@ -1,0 +1,120 @@
+"""What a finished run writes: the student (student/, student_ema/, the original-layout file when
+asked), or a LoRA student's adapters (lora/, lora_ema/, merged/ when asked), the scheduler a few-step
+student samples with, run_settings.json and a model card in every folder, and the pipeline/ folder.
+Rank 0 writes; every rank passes the same barrier."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distill.models.lora import EXPERTS, AdapterModel
+from distill.models.lora_files import write_lora_folder, write_merged_experts
+from distill.models.original.export import export_original
+from distill.models.student import export_student, unwrap_model
+from distill.ops import distributed as dist_utils
+from distill.ops.errors import DistillError
+from distill.sample.model_card import document_export
+from distill.sample.run_settings import settings_from_run
+from distill.train import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from distill.train.loop import TrainingLoop
+
+logger = logging.getLogger(__name__)
+
+
+def export_run(loop: TrainingLoop) -> tuple[Path | None, Path | None]:
+    """Rank 0 writes student/ (and student_ema/); the others wait for it."""
+    student_dir = ema_dir = None
+    if loop.ctx.is_main:
+        student = unwrap_model(loop.student)
+        if isinstance(student, AdapterModel):
+            return export_lora(loop, student)
+        scheduler = loop.method.export_scheduler()
+        kept = ckpt.complete_checkpoints(ckpt.checkpoint_root(loop.output_dir))
+        resume_from = kept[-1].name if kept else None
+        student_dir = export_student(student, loop.output_dir / "student", resume_from=resume_from)
+        if scheduler is not None:  # a few-step student ships the scheduler it samples with
+            scheduler.save_pretrained(student_dir)
+        original = "original" in loop.cfg.export_formats.split(",")
+        if original:
+            export_original(student_dir, loop.output_dir / "student_original.safetensors")
+        if loop.ema is not None:
+            params = list(student.parameters())
+            loop.ema.store(params)
+            loop.ema.copy_to(params)
+            try:
+                ema_dir = export_student(student, loop.output_dir / "student_ema", resume_from=resume_from)
+                if scheduler is not None:
+                    scheduler.save_pretrained(ema_dir)
+                if original:
+                    export_original(ema_dir, loop.output_dir / "student_ema_original.safetensors")
+            finally:
+                loop.ema.restore(params)
+        # How the student samples: the method says (dmd: its K steps and scheduler, guidance 1).
+        settings = settings_from_run(
+            loop.cfg, loop.distiller.info, loop.step, **loop.method.sampling_settings()
+        )
+        pipeline_dir = write_pipeline(loop, ema_dir or student_dir, settings.scheduler)
+        document_export(loop.output_dir, settings, student_dir, ema_dir, pipeline_dir)
+    dist_utils.barrier()
+    return student_dir, ema_dir
+
+
+def export_lora(loop: TrainingLoop, student: AdapterModel) -> tuple[Path | None, Path | None]:
+    """lora/ (and lora_ema/): the student's adapters in diffusers' and Wan's key names, with the
+    scheduler it samples with, run_settings.json and a model card. Called on rank 0 only."""
+    scheduler = loop.method.export_scheduler()
+    shape = loop.distiller.lora.shapes[student.adapter]
+
+    def write(folder: Path) -> Path:
+        out = write_lora_folder({which: student.state(which) for which in EXPERTS}, shape, folder)
+        if scheduler is not None:
+            scheduler.save_pretrained(out)
+        return out
+
+    lora_dir, ema_dir = write(loop.output_dir / "lora"), None
+    if loop.ema is not None:
+        params = list(student.parameters())
+        loop.ema.store(params)
+        loop.ema.copy_to(params)
+        try:
+            ema_dir = write(loop.output_dir / "lora_ema")
+        finally:
+            loop.ema.restore(params)
+    if "merged" in loop.cfg.export_formats.split(","):  # the EMA adapters when there are some
+        params = list(student.parameters())
+        if loop.ema is not None:
+            loop.ema.store(params)
+            loop.ema.copy_to(params)
+        try:
+            experts = {which: student.expert(which) for which in EXPERTS}
+            merged = write_merged_experts(experts, student.adapter, loop.output_dir / "merged")
+            logger.info("the experts with the adapters merged in: %s", merged)
+        finally:
+            if loop.ema is not None:
+                loop.ema.restore(params)
+    settings = settings_from_run(loop.cfg, loop.distiller.info, loop.step, **loop.method.sampling_settings())
+    document_export(loop.output_dir, settings, lora_dir, ema_dir, student_kind="lora")
+    logger.info("LoRA adapters for both experts in %s (diffusers and comfyui/ key formats)", lora_dir)
+    dist_utils.barrier()
+    return lora_dir, ema_dir
+
+
+def write_pipeline(loop: TrainingLoop, student_dir: Path, scheduler: dict[str, Any] | None) -> Path | None:
+    """<output_dir>/pipeline/: WanPipeline.from_pretrained-ready, linking the teacher's parts (no copies)."""
+    from distill.sample.pipeline_folder import write_pipeline_folder
+
+    try:
+        path = write_pipeline_folder(loop.output_dir, loop.distiller.info.path, student_dir, scheduler)
+        logger.info(
+            "WanPipeline.from_pretrained(%r) loads the student with the teacher's text encoder and VAE "
+            "(sample it as its README.md shows)",
+            str(path),
+        )
+        return path
+    except DistillError as exc:  # e.g. no symlinks on this file system: the student itself is fine
+        logger.warning("no pipeline/ folder: %s (use python -m distill.generate instead)", exc.title)
+        return None
