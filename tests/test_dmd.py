@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import A14B_EXPERT, REPO, repo_pythonpath, train_args
+from conftest import A14B_EXPERT, REPO, train_args
 from safetensors.torch import load_file
-from test_distributed import assert_same_trajectory
+from test_distributed import assert_same_trajectory, launch
 
 from distill.config.cli import parse_config
 from distill.models.few_step import few_step_scheduler, sample_few_step, student_grid
@@ -223,26 +220,12 @@ def test_dmd_resume_equals_an_uninterrupted_run_bitwise(tiny_teacher, tmp_path, 
 
 
 def test_dmd_two_processes_match_one_process(tiny_teacher, tmp_path):
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
-    env.pop("DISTILL_INJECT_FAULT", None)
     cache, stderr = tmp_path / "cache", {}
     for nproc, batch in ((2, 1), (1, 2)):
-        launcher = [sys.executable]
-        if nproc > 1:
-            launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         args = dmd_args(
             tiny_teacher, tmp_path / f"n{nproc}", cache, batch_size=batch, num_steps=3, log_every=1
         )
-        proc = subprocess.run(
-            [*launcher, str(REPO / "train_distillation.py"), *map(str, args)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-            cwd=REPO,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        stderr[nproc] = proc.stderr
+        stderr[nproc] = launch(args, nproc=nproc if nproc > 1 else None).stderr
     # Equal losses and gradient norms of both models per step (weights after Adam are not compared:
     # see assert_same_trajectory), and replicas that agree at the end.
     keys = ("loss", "grad_norm", "critic_loss", "critic_grad_norm", "latent_std_ratio", "regression_loss")

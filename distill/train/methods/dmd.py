@@ -100,6 +100,22 @@ def score_sigmas(uniform: torch.Tensor, shift: float) -> torch.Tensor:
     return shift_sigmas(uniform.double(), shift).clamp(*SCORE_SIGMA_RANGE)
 
 
+def phase_steps(timesteps: torch.Tensor, boundary_ratio: float, phase: str) -> list[int]:
+    """Indices of the student's steps an --expert_phase trains (all of them for "both")."""
+    high = high_noise_mask(timesteps, boundary_ratio)
+    keep = {"both": torch.ones_like(high), "high": high, "low": ~high}[phase]
+    return [i for i in range(len(timesteps)) if keep[i]]
+
+
+def phase_uniform(uniform: torch.Tensor, phase: str, shift: float, boundary_ratio: float) -> torch.Tensor:
+    """Uniform [0, 1) numbers moved into the part of [0, 1) whose shifted sigma lies on `phase`'s side
+    of the boundary (shift_sigmas is monotonic: it is inverted at the boundary)."""
+    at_boundary = boundary_ratio / (shift - (shift - 1.0) * boundary_ratio)
+    if phase == "high":
+        return at_boundary + uniform * (1.0 - at_boundary)
+    return uniform * at_boundary
+
+
 def guided_stage_one(student_init: str | None) -> str | None:
     """Why a --student_init folder is a poor start for dmd, or None: a velocity student distilled
     from the guided teacher (its run_settings.json says so) has the guidance built into its
@@ -152,9 +168,7 @@ class DmdMethod(Method):
         # --expert_phase: the student steps, and the noise levels of the score and the critic, on one
         # side of the boundary (published phased recipes keep each expert's DMD inside its range).
         self.phase = cfg.expert_phase
-        high = high_noise_mask(self.timesteps, env.teacher.boundary_ratio)
-        keep = {"both": torch.ones_like(high), "high": high, "low": ~high}[self.phase]
-        self.step_choices = [i for i in range(len(self.timesteps)) if keep[i]]
+        self.step_choices = phase_steps(self.timesteps, env.teacher.boundary_ratio, self.phase)
         self.trend = CriticLossTrend()
         advice = guided_stage_one(cfg.student_init)
         if advice:
@@ -187,13 +201,7 @@ class DmdMethod(Method):
         return "" if name == "student" else "critic_"
 
     def in_phase(self, uniform: torch.Tensor) -> torch.Tensor:
-        """Uniform [0, 1) numbers moved into the part of [0, 1) whose shifted sigma lies on this
-        phase's side of the boundary (shift_sigmas is monotonic: invert it at the boundary)."""
-        shift, boundary = self.env.shift, self.env.teacher.boundary_ratio
-        at_boundary = boundary / (shift - (shift - 1.0) * boundary)
-        if self.phase == "high":
-            return at_boundary + uniform * (1.0 - at_boundary)
-        return uniform * at_boundary
+        return phase_uniform(uniform, self.phase, self.env.shift, self.env.teacher.boundary_ratio)
 
     # -- the student's samples ---------------------------------------------------------------
     def generate(
