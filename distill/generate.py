@@ -21,7 +21,8 @@ gives after `torch.manual_seed(seed + i)` with no generator (= distill.models.fe
 
 One prompt: --output is the file (.png for 1 frame, .mp4 otherwise; the suffix is added when
 missing). Several prompts (--prompts_file, or --prompt given more than once) or an existing
-folder: --output is a folder that receives prompt_00.png, prompt_01.png, ...
+folder: --output is a folder that receives prompt_00.png, prompt_01.png, ... (clips: prompt_00.mp4,
+..., and all_clips.gif, every clip side by side in one animation a browser plays).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from distill.models.pipelines import (
 from distill.models.teacher import TeacherInfo, resolve_dtype
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.output_dir import writable_folder
-from distill.sample.media import media_suffix, write_frames
+from distill.sample.media import media_suffix, write_frames, write_side_by_side_gif
 from distill.sample.run_settings import (
     RunSettings,
     fill_left_out_flags,
@@ -252,9 +253,19 @@ def generate(args: argparse.Namespace) -> list[Path]:
     )
     device = pick_device(args.device)
     pipe = build_pipeline(args, info, device, resolve_dtype(args.dtype, device), found[0] if found else None)
-    written = []
+    written, clips = [], []
     for i, (prompt, target) in enumerate(zip(prompts, targets)):
-        written.append(write_frames(render(pipe, args, prompt, args.seed + i), target))
+        frames = render(pipe, args, prompt, args.seed + i)
+        written.append(write_frames(frames, target))
+        clips.append(frames)
+    if args.num_frames > 1 and len(written) > 1:
+        # Several clips: also one GIF that plays them side by side (MP4s need a player per file).
+        who = "teacher" if args.teacher_only else "student"
+        written.append(
+            write_side_by_side_gif(
+                [(f"{who} {args.steps} steps", clips)], written[0].parent / "all_clips.gif"
+            )
+        )
     return written
 
 

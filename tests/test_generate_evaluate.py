@@ -78,8 +78,10 @@ def test_generate_writes_mp4s_for_several_prompts_and_renders_the_teacher(traine
     )
     assert code == 0
     videos = sorted((tmp_path / "videos").iterdir())
-    assert [p.name for p in videos] == ["prompt_00.mp4", "prompt_01.mp4"]
-    assert imageio.get_reader(videos[0]).count_frames() == 5
+    # Each clip as an MP4, and all of them side by side in one GIF that any browser plays.
+    assert [p.name for p in videos] == ["all_clips.gif", "prompt_00.mp4", "prompt_01.mp4"]
+    assert imageio.get_reader(videos[1]).count_frames() == 5
+    assert len(imageio.mimread(videos[0])) == 5
     assert (
         generate.main([*common, "--teacher_only", "--prompt", "a", "--output", str(tmp_path / "t.png")]) == 0
     )

@@ -145,9 +145,13 @@ def test_video_run_on_another_teacher_shape_leaves_mp4s(tmp_path):
     assert len(list((tmp_path / "out" / "samples").glob("teacher_prompt_*.mp4"))) == 4
     reader = imageio.get_reader(videos[0])
     assert reader.count_frames() == 5 and reader.get_data(0).shape == (32, 16, 3)
-    assert files[-1].suffix == ".png"  # the grid shows first frames
+    assert files[-1].suffix == ".png"  # the grid shows a strip of frames per clip
+    assert files[-2].name == "grid_step_00000002.gif"  # and one GIF plays teacher above student
     media = wandb_media(files)
-    assert sorted(media) == ["samples/grid"] + [f"samples/prompt_{i:02d}" for i in range(4)]
+    assert sorted(media) == ["samples/grid", "samples/grid_clips"] + [
+        f"samples/prompt_{i:02d}" for i in range(4)
+    ]
+    assert type(media["samples/grid_clips"]).__name__ == "Video"
     assert type(media["samples/prompt_00"]).__name__ == "Video"
 
 

@@ -57,3 +57,21 @@ def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tens
     """Mean squared error of each sample, computed in float32 (shape (B,))."""
     diff = prediction.float() - target.float()
     return diff.pow(2).flatten(1).mean(dim=1)
+
+
+def frame_change(latents: torch.Tensor) -> torch.Tensor | None:
+    """How much each clip's latents change from one latent frame to the next: the mean absolute
+    difference of consecutive frames of (B, C, T, h, w), per sample (B,); None for pictures (T = 1).
+    The same measure on a student's and on the teacher's latents of the same prompts gives their
+    motion ratio (below 1: the student moves less)."""
+    if latents.dim() != 5 or latents.shape[2] < 2:
+        return None
+    return (latents[:, :, 1:] - latents[:, :, :-1]).abs().float().mean(dim=(1, 2, 3, 4))
+
+
+def motion_extras(student_x0: torch.Tensor, teacher_x0: torch.Tensor) -> dict[str, torch.Tensor]:
+    """UpdateLoss extras for the motion ratio (`Method.finish_metrics`): empty for pictures."""
+    ours, theirs = frame_change(student_x0.detach()), frame_change(teacher_x0.detach())
+    if ours is None or theirs is None:
+        return {}
+    return {"motion": ours, "teacher_motion": theirs}

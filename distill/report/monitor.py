@@ -58,6 +58,8 @@ from distill.sample.media import (
     media_suffix,
     rank_share,
     sample_stem,
+    strips,
+    write_files_gif,
     write_frames,
     write_grid,
 )
@@ -366,12 +368,18 @@ class SampleMonitor:
         # Every row says its model, steps and guidance: the two can run different step counts.
         teacher = f"teacher\n{settings.sample_steps} steps\nguidance {settings.guidance_scale:g} / {settings.guidance_scale_2:g}"
         student_label = f"student\n{student_steps} steps\nguidance 1"
+        # A clip's row shows a strip of its frames, so the motion is visible in a still picture.
         rows = [
-            (teacher, first_frames(self.teacher_files)),
-            (student_label, first_frames(files)),
+            (teacher, strips(self.teacher_files)),
+            (student_label, strips(files)),
             ("teacher latent", self._teacher_previews),
             ("student latent", self._collect_previews(step)),
         ]
+        # Clips also get one GIF to play: teacher above student, same noise.
+        gif = self.sample_dir / f"grid_step_{step:08d}.gif"
+        teacher_gif, student_gif = f"teacher {settings.sample_steps} steps", f"student {student_steps} steps"
+        pairs = [(teacher_gif, self.teacher_files), (student_gif, files)]
+        extra = [write_files_gif(pairs, gif)] if settings.num_frames > 1 else []
         grid = write_grid(
             rows,
             self.sample_dir / f"grid_step_{step:08d}.png",
@@ -379,7 +387,7 @@ class SampleMonitor:
             title=f"step {step}: teacher ({settings.sample_steps} steps, its guidance) vs student "
             f"({student_steps} steps, guidance 1), same noise",
         )
-        return [*files, grid]
+        return [*files, *extra, grid]
 
     def _sample_student(self, model: torch.nn.Module) -> list[torch.Tensor]:
         """The student's final latents from the teacher references' noise: with the teacher's scheduler

@@ -68,7 +68,18 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
     ax.set_ylabel("loss" if dmd else "MSE to the guided teacher velocity")
     ax.set_title("dmd losses: generator and critic" if dmd else "distillation loss")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left")
+    motion = [(r["step"], r["latent_motion_ratio"]) for r in rows if r.get("latent_motion_ratio") is not None]
+    if motion:  # a clip run: slow motion shows as this falling below 1 before any sample is drawn
+        steps, values = zip(*motion)
+        twin = ax.twinx()
+        twin.plot(
+            steps, values, color="tab:purple", linestyle="--", linewidth=1.0, label="latent motion ratio"
+        )
+        twin.axhline(1.0, color="tab:purple", linestyle=":", linewidth=0.8)
+        twin.set_ylabel("student / teacher frame-to-frame change", color="tab:purple")
+        twin.set_ylim(0, max(1.5, max(values) * 1.1))
+        twin.legend(loc="upper right")
     return save_figure(fig, out_png)
 
 
@@ -179,7 +190,8 @@ def _plot_cost(ax: Any, cost: dict[str, Any]) -> None:
 
 
 def plot_toy(ax: Any, toy: dict[str, Any]) -> None:
-    """eval.png's toy panel: accuracy and diversity gap of teacher, teacher at the student's steps, student.
+    """eval.png's toy panel: accuracy and diversity gap of teacher, teacher at the student's steps, student,
+    and on clips their motion ratio (1 = the world's amount of motion, below = slow motion).
 
     Each bar says its model, steps and guidance: with a student at the teacher's own step count the
     first two are the same samples, and must not read like two different teachers."""
@@ -187,15 +199,26 @@ def plot_toy(ax: Any, toy: dict[str, Any]) -> None:
     roles = ("full steps", "student's steps", "")
     labels = [_who(n, toy, "\n") + (f"\n({role})" if role else "") for n, role in zip(names, roles)]
     positions = np.arange(len(names))
-    accuracy = [toy[n]["accuracy"] for n in names]
-    gap = [toy[n]["diversity_gap"] or 0.0 for n in names]  # None: no shape found at all
-    ax.bar(positions - 0.2, accuracy, width=0.4, color="tab:blue", label="accuracy (higher is better)")
-    ax.bar(positions + 0.2, gap, width=0.4, color="tab:orange", label="diversity gap (lower is better)")
-    for x, a, g in zip(positions, accuracy, gap):
-        ax.text(x - 0.2, a, f"{a:.2f}", ha="center", va="bottom", fontsize=8)
-        ax.text(x + 0.2, g, f"{g:.2f}", ha="center", va="bottom", fontsize=8)
+    bars = {
+        "accuracy (higher is better)": ("tab:blue", [toy[n]["accuracy"] for n in names]),
+        # None: no shape found at all
+        "diversity gap (lower is better)": ("tab:orange", [toy[n]["diversity_gap"] or 0.0 for n in names]),
+    }
+    clips = any("motion_ratio" in toy[n] for n in names)
+    if clips:
+        ratios = [toy[n].get("motion_ratio") or 0.0 for n in names]
+        bars["motion ratio (1 = the world's motion)"] = ("tab:green", ratios)
+        ax.axhline(1.0, color="tab:green", linestyle="--", linewidth=0.8)
+    width = 0.8 / len(bars)
+    for i, (label, (colour, values)) in enumerate(bars.items()):
+        shift = (i - (len(bars) - 1) / 2) * width
+        ax.bar(positions + shift, values, width=width, color=colour, label=label)
+        for x, value in zip(positions, values):
+            ax.text(x + shift, value, f"{value:.2f}", ha="center", va="bottom", fontsize=8)
     ax.axhline(toy["chance"]["all"], color="gray", linestyle=":", linewidth=1)
     ax.set_xticks(positions, labels, fontsize=8)
-    ax.set_ylim(0, max(1.3, max(gap) * 1.15))  # room for the legend above the bars
+    tallest = max(max(values) for _, values in bars.values())
+    ax.set_ylim(0, max(1.3, tallest * 1.15))  # room for the legend above the bars
     ax.legend(loc="upper right", fontsize=7)
-    ax.set_title(f"toy world: what the pictures show ({toy['prompts']} prompts)", fontsize=10)
+    what = f"clips ({toy.get('num_frames')} frames)" if clips else "pictures"
+    ax.set_title(f"toy world: what the {what} show ({toy['prompts']} prompts)", fontsize=10)

@@ -3,9 +3,11 @@ student are sampled on the world's prompts and scored by what their pictures sho
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from distill.toy import world
@@ -43,6 +45,31 @@ def add_toy_report(
         guidance_scale_2=settings.guidance_scale_2,
         seed=settings.seed,
         count=count,
+        num_frames=settings.num_frames,
+        show=(lambda prompts, rows: write_toy_clips(output_dir, prompts, rows))
+        if settings.num_frames > 1
+        else None,
     )
     write_report(result, output_dir)
     return result
+
+
+MEDIA_COLUMNS = 8
+
+
+def write_toy_clips(
+    folder: str | Path, prompts: Sequence[str], rows: Sequence[tuple[str, np.ndarray]]
+) -> None:
+    """toy_clips.gif (the rows play side by side: same prompts, same noise) and toy_clips.png (a strip
+    of frames per clip under its prompt) of the first MEDIA_COLUMNS prompts."""
+    from distill.sample.media import frame_strip, write_grid, write_side_by_side_gif
+
+    folder = Path(folder)
+    shown = [(label, list(clips[:MEDIA_COLUMNS])) for label, clips in rows]
+    write_side_by_side_gif(shown, folder / "toy_clips.gif")
+    write_grid(
+        [(label.replace(" ", "\n", 1), [frame_strip(clip) for clip in clips]) for label, clips in shown],
+        folder / "toy_clips.png",
+        prompts=list(prompts[:MEDIA_COLUMNS]),
+        title="toy world clips: 5 frames, first to last, left to right (same noise in every row)",
+    )

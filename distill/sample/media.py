@@ -1,5 +1,7 @@
 """The files samples become: PNG for one frame, MP4 (16 fps) for a clip, written under a temporary
-name and renamed; the labelled teacher/student grid picture; and which rank draws which sample.
+name and renamed; reading them back (first frame or all frames); frame strips (a few frames of a
+clip side by side, so a still picture shows motion); the labelled teacher/student grid picture; an
+animated side-by-side GIF a person can play; and which rank draws which sample.
 matplotlib runs headless (Agg)."""
 
 from __future__ import annotations
@@ -77,6 +79,56 @@ def read_first_frame(path: str | Path) -> np.ndarray:
     return np.asarray(iio.imread(path))[..., :3]
 
 
+def read_frames(path: str | Path) -> np.ndarray:
+    """All frames of a PNG (F=1) or MP4 as uint8 (F, H, W, 3).
+
+    The same shape for pictures and clips, so callers (frame strips, GIFs) need no special case.
+    """
+    import imageio.v3 as iio
+
+    path = Path(path)
+    if path.suffix == ".mp4":
+        frames = np.asarray(iio.imread(path, index=None))
+    else:
+        frames = np.asarray(iio.imread(path))[None]
+    if frames.ndim == 3:  # grayscale (F, H, W): repeat the one channel as RGB
+        frames = np.repeat(frames[..., None], 3, axis=-1)
+    return np.ascontiguousarray(frames[..., :3])
+
+
+STRIP_GUTTER = 0.8  # light gray between the frames of a strip, as a fraction of full brightness
+
+
+def frame_strip(frames: np.ndarray, count: int = 5) -> np.ndarray:
+    """`count` frames of a clip, evenly spaced from the first to the last (both always included),
+    side by side with a 1-pixel light gray gutter: (H, count * W + count - 1, 3), input dtype.
+
+    A grid of first frames cannot show whether a student learned motion or only a still picture;
+    a strip can, in a PNG. One frame (F=1, or an (H, W, 3) picture) is returned as itself; a clip
+    shorter than `count` gives one tile per frame.
+    """
+    if count < 1:
+        raise ValueError(f"frame_strip needs count >= 1, got {count}")
+    frames = np.asarray(frames)
+    if frames.ndim == 3:
+        return frames
+    if frames.ndim != 4 or len(frames) == 0:
+        raise ValueError(f"frame_strip needs frames of shape (F, H, W, C), got {frames.shape}")
+    if len(frames) == 1:
+        return frames[0]
+    count = min(count, len(frames))
+    picks = np.linspace(0, len(frames) - 1, count).round().astype(int)
+    _, height, width, channels = frames.shape
+    top = np.iinfo(frames.dtype).max if np.issubdtype(frames.dtype, np.integer) else 1.0
+    strip = np.full(
+        (height, count * width + count - 1, channels), STRIP_GUTTER * top, dtype=np.float64
+    ).astype(frames.dtype)
+    for slot, index in enumerate(picks):
+        left = slot * (width + 1)
+        strip[:, left : left + width] = frames[index]
+    return strip
+
+
 def latent_preview(latent: torch.Tensor) -> np.ndarray:
     """A low-resolution look at a latent (C, F, h, w) without the VAE: channels 0-2 of the first
     frame as RGB, +-2 standard deviations mapped to [0, 255]. Wan latents are normalised to unit
@@ -100,17 +152,28 @@ def first_frames(files: Sequence[Path]) -> list[np.ndarray]:
     return [read_first_frame(p) for p in files]
 
 
+def strips(files: Sequence[Path], count: int = 5) -> list[np.ndarray]:
+    """Like `first_frames`, but a frame strip per file: a clip shows its motion in the grid, a
+    picture stays a picture. Each clip is read whole and dropped once its strip is cut."""
+    return [frame_strip(read_frames(p), count) for p in files]
+
+
 def plot_sample_grid(
     rows: Sequence[tuple[str, Sequence[np.ndarray]]],
     out_png: str | Path,
     prompts: Sequence[str] = (),
     title: str = "",
 ) -> Path:
-    """One labelled row of images per (label, images) (teacher first), one column per prompt."""
+    """One labelled row of images per (label, images) (teacher first), one column per prompt.
+
+    Tiles are 2 inches tall; images wider than tall (frame strips) get tiles 2 inches * aspect
+    wide, so that they are not shrunk into a square-sized slot. Square images keep the old size.
+    """
     plt = pyplot()
     columns = max([len(images) for _, images in rows] + [1])
+    aspect = max([image.shape[1] / image.shape[0] for _, images in rows for image in images] + [1.0])
     fig, axes = plt.subplots(
-        len(rows), columns, figsize=(2.0 * columns, 2.1 * len(rows) + 0.4), squeeze=False
+        len(rows), columns, figsize=(2.0 * aspect * columns, 2.1 * len(rows) + 0.4), squeeze=False
     )
     for row, (label, images) in enumerate(rows):
         for col in range(columns):
@@ -126,6 +189,107 @@ def plot_sample_grid(
     if title:
         fig.suptitle(title, fontsize=11)
     return save_figure(fig, out_png)
+
+
+GIF_GUTTER = 2  # pixels of dark background between tiles
+GIF_BACKGROUND = (24, 24, 24)
+GIF_TEXT = (235, 235, 235)
+GIF_LABEL_PAD = 6  # pixels left and right of the row labels in the margin
+
+
+def label_margin(labels: Sequence[str]) -> int:
+    """Width in pixels of the left margin that holds the row labels of a side-by-side GIF: the
+    widest label in PIL's default font plus padding on both sides (0 when there are no labels)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    labels = [label for label in labels if label]
+    if not labels:
+        return 0
+    draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    font = ImageFont.load_default()
+    widest = max(int(np.ceil(draw.textlength(label, font=font))) for label in labels)
+    return widest + 2 * GIF_LABEL_PAD
+
+
+def _as_uint8_clip(clip: np.ndarray) -> np.ndarray:
+    """(F, H, W, 3) uint8 from a clip or picture given as floats in [0, 1] or uint8."""
+    clip = np.asarray(clip)
+    if clip.ndim == 3:
+        clip = clip[None]
+    if clip.ndim != 4 or len(clip) == 0:
+        raise ValueError(f"a clip needs shape (F, H, W, 3) or (H, W, 3), got {clip.shape}")
+    pixels = clip if clip.dtype == np.uint8 else to_uint8(clip)
+    return pixels[..., :3]
+
+
+def write_side_by_side_gif(
+    rows: Sequence[tuple[str, Sequence[np.ndarray]]],
+    out_path: str | Path,
+    fps: int = FPS // 2,
+    scale: int = 4,
+) -> Path:
+    """An animated GIF, looping forever: one labelled row per (label, clips) (teacher first), one
+    column per clip, each clip upscaled `scale` times (nearest neighbour) with a 2-pixel dark gutter.
+
+    A person judges motion by watching it: teacher and student, same prompts and noise, played in
+    step. Toy clips are 32 px, hence the upscaling; half speed (8 fps) makes short clips readable.
+    Pictures (F=1) and shorter clips hold their last frame; the GIF has as many frames as the
+    longest clip (PIL merges consecutive identical frames into one longer frame, which plays the
+    same). The suffix of `out_path` becomes .gif; written under a temporary name and renamed, so
+    a reader never sees half a file.
+    """
+    from PIL import Image, ImageDraw, ImageFont
+
+    if scale < 1 or fps < 1:
+        raise ValueError(f"write_side_by_side_gif needs scale >= 1 and fps >= 1, got {scale}, {fps}")
+    clips = [[_as_uint8_clip(c) for c in row_clips] for _, row_clips in rows]
+    every = [c for row_clips in clips for c in row_clips]
+    if not every:
+        raise ValueError("write_side_by_side_gif needs at least one clip")
+    columns = max(len(row_clips) for row_clips in clips)
+    tile_h = max(c.shape[1] for c in every) * scale
+    tile_w = max(c.shape[2] for c in every) * scale
+    num_frames = max(len(c) for c in every)
+    margin = label_margin([label for label, _ in rows])
+    width = margin + columns * tile_w + (columns - 1) * GIF_GUTTER
+    height = len(rows) * tile_h + (len(rows) - 1) * GIF_GUTTER
+
+    # Labels are the same on every frame: draw them once on a background, copy it per frame.
+    background = Image.new("RGB", (width, height), GIF_BACKGROUND)
+    draw = ImageDraw.Draw(background)
+    font = ImageFont.load_default()
+    for r, (label, _) in enumerate(rows):
+        if label:
+            _, text_top, _, text_bottom = draw.textbbox((0, 0), label, font=font)
+            y = r * (tile_h + GIF_GUTTER) + (tile_h - text_top - text_bottom) // 2  # centred on the row
+            draw.text((GIF_LABEL_PAD, y), label, fill=GIF_TEXT, font=font)
+    base = np.asarray(background)
+
+    frames = []
+    for t in range(num_frames):
+        canvas = base.copy()
+        for r, row_clips in enumerate(clips):
+            top = r * (tile_h + GIF_GUTTER)
+            for col, clip in enumerate(row_clips):
+                left = margin + col * (tile_w + GIF_GUTTER)
+                frame = clip[min(t, len(clip) - 1)]
+                big = frame.repeat(scale, axis=0).repeat(scale, axis=1)
+                canvas[top : top + big.shape[0], left : left + big.shape[1]] = big
+        frames.append(Image.fromarray(canvas))
+
+    target = Path(out_path).with_suffix(".gif")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.stem}.{os.getpid()}.tmp.gif")
+    frames[0].save(
+        tmp,
+        format="GIF",
+        save_all=True,
+        append_images=frames[1:],
+        duration=round(1000 / fps),
+        loop=0,
+    )
+    os.replace(tmp, target)
+    return target
 
 
 def _short(prompt: str, width: int = 26, lines: int = 3) -> str:
@@ -150,3 +314,10 @@ def save_figure(fig: Any, out_png: str | Path) -> Path:
     pyplot().close(fig)
     os.replace(tmp, out)
     return out
+
+
+def write_files_gif(rows: Sequence[tuple[str, Sequence[Path]]], out_path: str | Path) -> Path:
+    """`write_side_by_side_gif` of written samples: one row per (label, files)."""
+    return write_side_by_side_gif(
+        [(label, [read_frames(f) for f in files]) for label, files in rows], out_path
+    )

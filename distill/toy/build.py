@@ -1,15 +1,20 @@
 """Train the toy Wan 2.2 teacher on the toy world, and assemble teacher folders from its weights.
 
-    python -m distill.toy.build --retrain          # refit everything into assets/toy_teacher/ (minutes)
+    python -m distill.toy.build --retrain          # refit everything into assets/toy_teacher/ (hours)
+    python -m distill.toy.build --retrain --from assets/toy_teacher --vae_steps 3000 --expert_steps 3000
+                                                   # teach a picture-only teacher the clips (~1 h)
     python download_wan.py --toy outputs/toy-wan   # a teacher folder from the shipped weights (seconds)
 
-Trained like the real one, in miniature, at 32 x 32 pixels (1 frame):
+Trained like the real one, in miniature, at 32 x 32 pixels, on pictures (1 frame) AND clips
+(`clip_frames`, 3 latent frames), as Wan is trained on both, so one teacher serves both:
 
 1. The text encoder is a fixed random UMT5 (a feature map) behind a tokenizer whose pieces are
-   the grammar's words.
-2. The VAE (AutoencoderKLWan, 16 latent channels, stride 8) is fitted to rendered pictures, then
-   `latents_mean` / `latents_std` in its config are set from its latents, so WanPipeline's
-   un-normalisation before decoding is right.
+   the grammar's words: the picture words first, then the clip words (so adding the clips left
+   every picture prompt's embedding as it was).
+2. The VAE (AutoencoderKLWan, 16 latent channels, stride 8, time stride 4) is fitted to rendered
+   pictures and clips, then `latents_mean` / `latents_std` in its config are set from its latents,
+   so WanPipeline's un-normalisation before decoding is right. The build stops unless the
+   reconstructed clips show their motion (`vae_fit.GATE`).
 3. The experts (WanTransformer3DModel) learn flow matching on the normalised latents with
    WanPipeline's conventions: x_t = (1 - s) x0 + s noise, target v = noise - x0,
    timestep = 1000 s, s on the scheduler's shifted schedule; `transformer` (high noise) on
@@ -45,7 +50,14 @@ from distill.ops.errors import DistillError, Stage, report
 from distill.toy import world
 from distill.toy.recipe import Recipe
 from distill.toy.text_padding import check_folding, fold_into, fold_padding, unfold_from
-from distill.toy.vae_fit import encode_pictures, fit_vae, reconstruction_score
+from distill.toy.vae_fit import (
+    GATE,
+    clip_reconstruction_score,
+    encode_pictures,
+    encode_scenes,
+    fit_vae,
+    reconstruction_score,
+)
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "toy_teacher"
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default, which the trainer uses too
@@ -57,15 +69,37 @@ _METASPACE = "\u2581"
 # ---------------------------------------------------------------------------------------------
 
 
-def build_tokenizer() -> Any:
+def _words(prompts: list[str]) -> list[str]:
+    return sorted({w for p in prompts for w in p.split()})
+
+
+def build_tokenizer(clips: bool = True) -> Any:
     """A T5-style Unigram tokenizer whose pieces are the grammar's words (plus single characters,
-    so any text still tokenizes)."""
+    so any text still tokenizes). The clip grammar's own words come last, so a picture-only
+    tokenizer (`clips=False`) gives every picture prompt the same ids."""
     from distill.models.tiny import t5_unigram_tokenizer
 
-    words = sorted({w for p in world.all_prompts() for w in p.split()})
-    pieces = [(_METASPACE + w, -2.0) for w in words]
+    pieces = [(_METASPACE + w, -2.0) for w in _words(world.all_prompts())]
     pieces += [(c, -8.0) for c in sorted(set(string.printable.strip()) | {_METASPACE})]
+    if clips:
+        picture_words = set(_words(world.all_prompts()))
+        pieces += [(_METASPACE + w, -2.0) for w in _words(world.all_clip_prompts()) if w not in picture_words]
     return t5_unigram_tokenizer(pieces, MAX_SEQUENCE_LENGTH)
+
+
+def grow_text_encoder(text_encoder: Any, vocab_size: int, seed: int) -> Any:
+    """Give a fixed random text encoder rows for new words (drawn like its own, from `seed`),
+    leaving every existing row, and so every old prompt's embedding, unchanged."""
+    old = text_encoder.get_input_embeddings().weight.shape[0]
+    if vocab_size <= old:
+        return text_encoder
+    spread = float(text_encoder.get_input_embeddings().weight.detach().std())
+    text_encoder.resize_token_embeddings(vocab_size, mean_resizing=False)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        rows = text_encoder.get_input_embeddings().weight
+        rows[old:] = torch.randn(vocab_size - old, rows.shape[1], generator=generator) * spread
+    return text_encoder
 
 
 def build_components(recipe: Recipe) -> dict[str, Any]:
@@ -73,7 +107,8 @@ def build_components(recipe: Recipe) -> dict[str, Any]:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(clips=recipe.clip_frames > 0)
+    picture_vocab = len(build_tokenizer(clips=False))
 
     def seeded(offset: int, build: Any) -> Any:
         torch.manual_seed(recipe.seed * 1000 + offset)
@@ -95,8 +130,9 @@ def build_components(recipe: Recipe) -> dict[str, Any]:
             rope_max_seq_len=32,
         )
 
+    # Sized for the picture words, then grown: the picture teacher's encoder plus the clip words.
     text_config = UMT5Config(
-        vocab_size=len(tokenizer),
+        vocab_size=picture_vocab,
         d_model=recipe.text_dim,
         d_kv=8,
         d_ff=64,
@@ -112,7 +148,9 @@ def build_components(recipe: Recipe) -> dict[str, Any]:
     )
     return {
         "tokenizer": tokenizer,
-        "text_encoder": seeded(1, lambda: UMT5EncoderModel(text_config)).eval(),
+        "text_encoder": grow_text_encoder(
+            seeded(1, lambda: UMT5EncoderModel(text_config)).eval(), len(tokenizer), recipe.seed * 1000 + 5
+        ),
         "vae": seeded(
             2,
             lambda: AutoencoderKLWan(
@@ -172,14 +210,14 @@ def unshifted(sigma: float, shift: float) -> float:
 def train_experts(
     high: Any,
     low: Any,
-    latents: torch.Tensor,
-    prompt_ids: torch.Tensor,
+    data: list[tuple[torch.Tensor, torch.Tensor, int]],
     text: tuple[torch.Tensor, torch.Tensor],
     recipe: Recipe,
     log: Any = print,
 ) -> None:
-    """Flow matching of both experts on `latents` (N, C, 1, h, w) with prompt `prompt_ids` (N,)
-    into the folded text table `text` (whose last row is the empty prompt)."""
+    """Flow matching of both experts on each (latents (N, C, T, h, w), prompt ids (N,) into the
+    folded text table `text` (whose last row is the empty prompt), batch) of `data` every step:
+    pictures and clips side by side, as Wan trains on both."""
     short, bias = text
     empty = short.shape[0] - 1
     generator = torch.Generator().manual_seed(recipe.seed * 31 + 5)
@@ -200,20 +238,22 @@ def train_experts(
         for step in range(recipe.expert_steps):
             losses = {}
             for name, model in experts.items():
-                index = torch.randint(0, len(latents), (recipe.expert_batch,), generator=generator)
-                x0 = latents[index]
-                noise = torch.randn(x0.shape, generator=generator)
-                lo, hi = ranges[name]
-                sigma = shifted_sigma(
-                    lo + (hi - lo) * torch.rand(len(index), generator=generator), recipe.flow_shift
-                )
-                s = sigma.view(-1, 1, 1, 1, 1)
-                x_t = (1.0 - s) * x0 + s * noise
-                ids = prompt_ids[index].clone()
-                ids[torch.rand(len(ids), generator=generator) < recipe.text_dropout] = empty
-                processors[name].bias = bias[ids]
-                v = model(x_t, sigma * 1000.0, short[ids], return_dict=False)[0]
-                losses[name] = (v - (noise - x0)).pow(2).mean()
+                losses[name] = torch.zeros(())
+                for latents, prompt_ids, batch in data:
+                    index = torch.randint(0, len(latents), (batch,), generator=generator)
+                    x0 = latents[index]
+                    noise = torch.randn(x0.shape, generator=generator)
+                    lo, hi = ranges[name]
+                    sigma = shifted_sigma(
+                        lo + (hi - lo) * torch.rand(len(index), generator=generator), recipe.flow_shift
+                    )
+                    s = sigma.view(-1, 1, 1, 1, 1)
+                    x_t = (1.0 - s) * x0 + s * noise
+                    ids = prompt_ids[index].clone()
+                    ids[torch.rand(len(ids), generator=generator) < recipe.text_dropout] = empty
+                    processors[name].bias = bias[ids]
+                    v = model(x_t, sigma * 1000.0, short[ids], return_dict=False)[0]
+                    losses[name] = losses[name] + (v - (noise - x0)).pow(2).mean()
             optimizer.zero_grad(set_to_none=True)
             sum(losses.values()).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -235,16 +275,25 @@ def train_experts(
 # ---------------------------------------------------------------------------------------------
 
 
-def train(recipe: Recipe, out_dir: Path, log: Any = print, vae_from: Path | None = None) -> Path:
-    """Fit the VAE, train both experts and save the teacher folder (with toy_world.json) to `out_dir`."""
-    from diffusers import WanPipeline
+def train(
+    recipe: Recipe,
+    out_dir: Path,
+    log: Any = print,
+    vae_from: Path | None = None,
+    experts_from: Path | None = None,
+) -> Path:
+    """Fit the VAE, train both experts and save the teacher folder (with toy_world.json) to `out_dir`.
+    `vae_from` / `experts_from`: teacher folders (or a VAE folder) to start from instead of random."""
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
     parts = build_components(recipe)
     tokenizer, text_encoder = parts["tokenizer"], parts["text_encoder"]
     if vae_from is not None:
-        from diffusers import AutoencoderKLWan
-
-        parts["vae"] = AutoencoderKLWan.from_pretrained(vae_from)
+        vae_folder = Path(vae_from) / "vae" if (Path(vae_from) / "vae").is_dir() else Path(vae_from)
+        parts["vae"] = AutoencoderKLWan.from_pretrained(vae_folder)
+    if experts_from is not None:
+        for name in ("transformer", "transformer_2"):
+            parts[name] = WanTransformer3DModel.from_pretrained(Path(experts_from) / name)
     if recipe.vae_steps > 0:
         fit_vae(parts["vae"], recipe, log)
         # The slowest part: kept beside the output, so a failure later does not cost it again.
@@ -253,6 +302,19 @@ def train(recipe: Recipe, out_dir: Path, log: Any = print, vae_from: Path | None
     scenes = world.sample_scenes(recipe.num_latents, recipe.seed * 7919 + 10**6 + 3)
     latents = encode_pictures(parts["vae"], scenes, recipe.size)
     prompts = world.all_prompts()
+    clip_scenes: list[world.Scene] = []
+    if recipe.clip_frames:
+        gate = clip_reconstruction_score(parts["vae"], recipe)
+        log(f"vae clip reconstructions: {gate}")
+        if not gate["passes_gate"]:
+            raise DistillError(
+                "The toy VAE loses the clips' motion",
+                f"reconstructed clips score {gate}; the gate is {GATE}",
+                fixes=["Fit the VAE longer: --vae_steps (from the saved one: --vae_from DIR.vae)"],
+                stage=Stage.INTERNAL,
+            )
+        clip_scenes = world.sample_scenes(recipe.num_clip_latents, recipe.seed * 7919 + 10**6 + 6, clips=True)
+        prompts = [*prompts, *world.all_clip_prompts()]
     table = encode_texts(tokenizer, text_encoder, [*prompts, ""])
     lengths = [int(n) for n in tokenizer([*prompts, ""], return_length=True)["length"]]
     difference = check_folding(parts["transformer"], table[:8], lengths[:8])
@@ -265,16 +327,16 @@ def train(recipe: Recipe, out_dir: Path, log: Any = print, vae_from: Path | None
             stage=Stage.INTERNAL,
         )
     index = {p: i for i, p in enumerate(prompts)}
-    prompt_ids = torch.tensor([index[s.prompt] for s in scenes])
-    log(f"latents {tuple(latents.shape)}, {len(prompts)} prompts, padding folding exact to {difference:.1e}")
+    data = [(latents, torch.tensor([index[s.prompt] for s in scenes]), recipe.expert_batch)]
+    if clip_scenes:
+        clip_latents = encode_scenes(parts["vae"], clip_scenes, recipe)
+        data.append(
+            (clip_latents, torch.tensor([index[s.prompt] for s in clip_scenes]), recipe.expert_clip_batch)
+        )
+    shapes = ", ".join(str(tuple(d[0].shape)) for d in data)
+    log(f"latents {shapes}, {len(prompts)} prompts, padding folding exact to {difference:.1e}")
     train_experts(
-        parts["transformer"],
-        parts["transformer_2"],
-        latents,
-        prompt_ids,
-        fold_padding(table, lengths),
-        recipe,
-        log,
+        parts["transformer"], parts["transformer_2"], data, fold_padding(table, lengths), recipe, log
     )
     pipe = WanPipeline(**parts, boundary_ratio=recipe.boundary_ratio)
     staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
@@ -286,19 +348,28 @@ def train(recipe: Recipe, out_dir: Path, log: Any = print, vae_from: Path | None
     return out_dir
 
 
-def write_world_file(folder: Path, recipe: Recipe, calibration: dict[str, Any] | None = None) -> None:
+def write_world_file(
+    folder: Path,
+    recipe: Recipe,
+    calibration: dict[str, Any] | None = None,
+    rebuild: str = "python -m distill.toy.build --retrain",
+    clip_calibration: dict[str, Any] | None = None,
+) -> None:
     description = world.describe(
         height=recipe.size,
         width=recipe.size,
         num_frames=1,
+        clip_frames=recipe.clip_frames,
         sample_steps=recipe.sample_steps,
         guidance_scale=recipe.guidance_scale,
         guidance_scale_2=recipe.guidance_scale_2,
         recipe=asdict(recipe),
-        rebuild="python -m distill.toy.build --retrain",
+        rebuild=rebuild,
     )
     if calibration is not None:
         description["calibration"] = calibration
+    if clip_calibration is not None:
+        description["clip_calibration"] = clip_calibration
     (folder / world.WORLD_FILE).write_text(json.dumps(description, indent=2) + "\n")
 
 
@@ -365,6 +436,15 @@ def main(argv: list[str] | None = None) -> int:
         "--vae_from", help="start from this VAE folder (fitted further for --vae_steps; 0 = use as is)"
     )
     parser.add_argument(
+        "--from",
+        dest="start_from",
+        help="start from this toy teacher folder: its VAE (unless --vae_from) and its experts",
+    )
+    parser.add_argument("--expert_lr", type=float, default=Recipe.expert_lr)
+    parser.add_argument(
+        "--clip_frames", type=int, default=Recipe.clip_frames, help="frames of the clips; 0 = pictures only"
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -374,14 +454,27 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if not args.retrain:
         parser.error("pass --retrain to train the toy teacher (it replaces the --output folder)")
-    recipe = Recipe(seed=args.seed, expert_steps=args.expert_steps, vae_steps=args.vae_steps)
+    recipe = Recipe(
+        seed=args.seed,
+        expert_steps=args.expert_steps,
+        vae_steps=args.vae_steps,
+        expert_lr=args.expert_lr,
+        clip_frames=args.clip_frames,
+    )
+    command = "python -m distill.toy.build " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
-        path = train(recipe, Path(args.output), vae_from=args.vae_from)
+        path = train(
+            recipe,
+            Path(args.output),
+            vae_from=args.vae_from or args.start_from,
+            experts_from=args.start_from,
+        )
         from distill.toy.evaluation import calibrate
 
         numbers = calibrate(path)
-        write_world_file(path, recipe, numbers)
-        print(json.dumps(numbers, indent=2))
+        clip_numbers = calibrate(path, clips=True) if recipe.clip_frames else None
+        write_world_file(path, recipe, numbers, command, clip_numbers)
+        print(json.dumps({"pictures": numbers, "clips": clip_numbers}, indent=2))
     except DistillError as error:
         return report(error)
     return 0

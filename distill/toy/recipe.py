@@ -13,6 +13,8 @@ class Recipe:
     seed: int = 0
     size: int = 32
     """Picture width and height in pixels (latents are size / 8)."""
+    clip_frames: int = 9
+    """Frames of the world's clips (3 latent frames); 0 = a teacher of pictures only."""
     boundary_ratio: float = 0.875
     flow_shift: float = 3.0
     vae_base_dim: int = 8
@@ -20,8 +22,14 @@ class Recipe:
     vae_batch: int = 12
     vae_lr: float = 5e-4
     vae_latent_noise: float = 0.05
+    vae_clip_batch: int = 8
+    """Clips per VAE step; every other step is a batch of clips when clip_frames > 0."""
     num_latents: int = 16384
     """Pictures encoded once for the experts' training."""
+    num_clip_latents: int = 8192
+    """Clips encoded once for the experts' training (when clip_frames > 0)."""
+    expert_clip_batch: int = 64
+    """Clips per expert step, beside expert_batch pictures."""
     expert_steps: int = 8000
     expert_batch: int = 128
     expert_lr: float = 1e-3

@@ -1,6 +1,6 @@
 """The toy world: a small prompt grammar and the variation each prompt leaves unnamed.
 
-A scene is one coloured shape in one quadrant of a plain background:
+A picture is one coloured shape in one quadrant of a plain background:
 
     "a red bar in the top left on a black background"
 
@@ -8,6 +8,17 @@ Named by the prompt: colour (6), shape (3), position (4 quadrants), background (
 Not named (the world's diversity, which a student can lose): where inside its quadrant the shape
 sits, its size and a small shift of its hue. Each is drawn uniformly from [-1, 1] and mapped to
 pixels by `render`.
+
+A clip (CLIP_FRAMES frames) is the same scene in motion, named between the shape and its place:
+
+    "a red bar moving leftward fast in the top left on a black background"
+    "a red bar standing still in the top left on a black background"
+
+Motion: a direction (leftward, rightward, upward, downward) at a speed (slowly, fast), or standing
+still: 9 motions x 216 = 1,944 clip prompts. The position names the quadrant of the track's middle.
+Direction words are not position words ("top left moving right" and "top right moving left" would
+share every word, and the toy tokenizer makes one piece per word). Not named: the exact pace
+(`pace`, +-PACE_SPREAD of the speed's travel) on top of the picture's variation.
 """
 
 from __future__ import annotations
@@ -46,8 +57,29 @@ BACKGROUNDS: dict[str, tuple[float, float, float]] = {
 ATTRIBUTES = ("colour", "shape", "position", "background")
 VARIATIONS = ("offset_x", "offset_y", "size", "hue")
 
+CLIP_FRAMES = 9
+"""Frames of a clip: the smallest that shows motion through Wan's VAE (3 latent frames: the first
+frame alone, then two groups of 4)."""
+# Unit step of each direction in picture coordinates (x right, y down).
+DIRECTIONS: dict[str, tuple[int, int]] = {
+    "leftward": (-1, 0),
+    "rightward": (1, 0),
+    "upward": (0, -1),
+    "downward": (0, 1),
+}
+STILL = "still"
+# Travel over the whole clip, as a fraction of the picture's width (4.8 and 9.6 pixels at 32 x 32).
+SPEEDS: dict[str, float] = {"slowly": 0.15, "fast": 0.3}
+PACE_SPREAD = 0.15
+"""`pace` in [-1, 1] scales the travel by 1 +- this: slow and fast never overlap."""
+MOTIONS = (*(f"moving {d} {s}" for d in DIRECTIONS for s in SPEEDS), "standing still")
+CLIP_ATTRIBUTES = (*ATTRIBUTES, "direction", "speed")
+CLIP_VARIATIONS = (*VARIATIONS, "pace")
+
 _PROMPT = re.compile(
-    r"^a (?P<colour>\w+) (?P<shape>\w+) in the (?P<position>(?:top|bottom) (?:left|right)) "
+    r"^a (?P<colour>\w+) (?P<shape>\w+) "
+    r"(?:(?:moving (?P<direction>\w+) (?P<speed>\w+)|(?P<still>standing still)) )?"
+    r"in the (?P<position>(?:top|bottom) (?:left|right)) "
     r"on a (?P<background>\w+) background$"
 )
 
@@ -68,37 +100,94 @@ class Scene:
     """-1 = smallest, 1 = largest shape."""
     hue: float = 0.0
     """Shift of the colour's hue: -1 / 1 = the largest shift either way."""
+    direction: str | None = None
+    """A clip's direction (a DIRECTIONS key or STILL); None for a picture."""
+    speed: str | None = None
+    """A moving clip's speed (a SPEEDS key); None for pictures and still clips."""
+    pace: float = 0.0
+    """A moving clip's travel: -1 / 1 = PACE_SPREAD less / more than its speed's."""
+
+    @property
+    def is_clip(self) -> bool:
+        return self.direction is not None
 
     @property
     def prompt(self) -> str:
-        return prompt_of(self.colour, self.shape, self.position, self.background)
+        return prompt_of(self.colour, self.shape, self.position, self.background, self.direction, self.speed)
 
-    def attributes(self) -> dict[str, str]:
-        return {name: getattr(self, name) for name in ATTRIBUTES}
+    def attributes(self) -> dict[str, str | None]:
+        names = CLIP_ATTRIBUTES if self.is_clip else ATTRIBUTES
+        return {name: getattr(self, name) for name in names}
 
 
-def prompt_of(colour: str, shape: str, position: str, background: str) -> str:
-    return f"a {colour} {shape} in the {position} on a {background} background"
+def motion_words(direction: str | None, speed: str | None) -> str:
+    """The words a clip prompt puts between the shape and its place ("" for a picture)."""
+    if direction is None:
+        return ""
+    return "standing still" if direction == STILL else f"moving {direction} {speed}"
+
+
+def prompt_of(
+    colour: str,
+    shape: str,
+    position: str,
+    background: str,
+    direction: str | None = None,
+    speed: str | None = None,
+) -> str:
+    motion = motion_words(direction, speed)
+    return (
+        f"a {colour} {shape} {motion + ' ' if motion else ''}in the {position} on a {background} background"
+    )
 
 
 def all_prompts() -> list[str]:
-    """Every prompt of the grammar, in a fixed order."""
+    """Every picture prompt of the grammar, in a fixed order."""
     return [prompt_of(c, s, p, b) for c in COLOURS for s in SHAPES for p in POSITIONS for b in BACKGROUNDS]
 
 
-def parse_prompt(prompt: str) -> dict[str, str] | None:
-    """The named attributes of a grammar prompt, or None for any other text."""
-    match = _PROMPT.match(prompt.strip().lower())
+def motions() -> list[tuple[str, str | None]]:
+    """Every (direction, speed) of a clip, standing still last."""
+    return [*((d, s) for d in DIRECTIONS for s in SPEEDS), (STILL, None)]
+
+
+def all_clip_prompts() -> list[str]:
+    """Every clip prompt of the grammar, in a fixed order (each picture prompt in every motion)."""
+    return [
+        prompt_of(c, s, p, b, d, v)
+        for c in COLOURS
+        for s in SHAPES
+        for d, v in motions()
+        for p in POSITIONS
+        for b in BACKGROUNDS
+    ]
+
+
+def parse_prompt(prompt: str) -> dict[str, str | None] | None:
+    """The named attributes of a grammar prompt (picture: ATTRIBUTES; clip: CLIP_ATTRIBUTES, speed
+    None when standing still), or None for any other text."""
+    match = _PROMPT.match(" ".join(prompt.strip().lower().split()))
     if match is None:
         return None
-    attributes = match.groupdict()
+    found = match.groupdict()
+    attributes: dict[str, str | None] = {name: found[name] for name in ATTRIBUTES}
     valid = (
-        attributes["colour"] in COLOURS
-        and attributes["shape"] in SHAPES
-        and attributes["position"] in POSITIONS
-        and attributes["background"] in BACKGROUNDS
+        found["colour"] in COLOURS
+        and found["shape"] in SHAPES
+        and found["position"] in POSITIONS
+        and found["background"] in BACKGROUNDS
     )
+    if found["still"]:
+        attributes |= {"direction": STILL, "speed": None}
+    elif found["direction"] is not None:
+        attributes |= {"direction": found["direction"], "speed": found["speed"]}
+        valid = valid and found["direction"] in DIRECTIONS and found["speed"] in SPEEDS
     return attributes if valid else None
+
+
+def is_clip_prompt(prompt: str) -> bool:
+    attributes = parse_prompt(prompt)
+    return attributes is not None and "direction" in attributes
 
 
 def scene_for(prompt: str, rng: np.random.Generator) -> Scene:
@@ -107,33 +196,47 @@ def scene_for(prompt: str, rng: np.random.Generator) -> Scene:
     if attributes is None:
         raise DistillError(
             f"not a prompt of the toy world: {prompt!r}",
-            "Toy prompts read: a <colour> <shape> in the <top|bottom> <left|right> on a <background> background",
+            "Toy prompts read: a <colour> <shape> [<motion>] in the <top|bottom> <left|right> on a "
+            "<background> background",
             fixes=[
-                f"colours: {', '.join(COLOURS)}; shapes: {', '.join(SHAPES)}; backgrounds: {', '.join(BACKGROUNDS)}"
+                f"colours: {', '.join(COLOURS)}; shapes: {', '.join(SHAPES)}; backgrounds: {', '.join(BACKGROUNDS)}",
+                f"motions (clips only): {', '.join(MOTIONS)}",
             ],
             stage=Stage.CONFIG,
         )
-    return Scene(**attributes, **dict(zip(VARIATIONS, rng.uniform(-1.0, 1.0, len(VARIATIONS)).tolist())))
+    # A picture draws only its own variation, so picture scenes stay the same draws as ever.
+    names = CLIP_VARIATIONS if "direction" in attributes else VARIATIONS
+    variation = dict(zip(names, rng.uniform(-1.0, 1.0, len(names)).tolist()))
+    if attributes.get("speed") is None:
+        variation.pop("pace", None)  # a still clip has no travel to vary
+    return Scene(**attributes, **variation)
 
 
-def sample_scenes(count: int, seed: int) -> list[Scene]:
-    """`count` scenes drawn uniformly from the whole world (prompt and variation)."""
+def sample_scenes(count: int, seed: int, clips: bool = False) -> list[Scene]:
+    """`count` scenes drawn uniformly from the whole world (prompt and variation): pictures, or
+    clips when `clips`."""
     rng = np.random.default_rng(seed)
-    prompts = all_prompts()
+    prompts = all_clip_prompts() if clips else all_prompts()
     return [scene_for(prompts[i], rng) for i in rng.integers(0, len(prompts), count)]
 
 
 def describe(**extra: Any) -> dict[str, Any]:
     """The world as JSON (what `toy_world.json` holds), plus `extra` (sizes, step counts)."""
+    clip = Scene("red", "bar", "top left", "black", direction="rightward", speed="fast")
     return {
         "grammar": "a <colour> <shape> in the <position> on a <background> background",
+        "clip_grammar": "a <colour> <shape> <motion> in the <position> on a <background> background",
         "colours": COLOURS,
         "shapes": list(SHAPES),
         "positions": list(POSITIONS),
         "backgrounds": BACKGROUNDS,
+        "motions": list(MOTIONS),
+        "speeds": {name: {"travel": travel, "pace_spread": PACE_SPREAD} for name, travel in SPEEDS.items()},
         "variations": list(VARIATIONS),
+        "clip_variations": list(CLIP_VARIATIONS),
         "example": asdict(Scene("red", "bar", "top left", "black"))
         | {"prompt": prompt_of("red", "bar", "top left", "black")},
+        "clip_example": asdict(clip) | {"prompt": clip.prompt},
         **extra,
     }
 

@@ -156,9 +156,13 @@ def wandb_media(files: Sequence[Path]) -> dict[str, Any]:
         if path.name == "eval.png":
             key = "eval/plot"
         elif path.name.startswith("grid_"):
-            key = "samples/grid"
+            # The still grid, and for clips the GIF that plays teacher above student.
+            key = "samples/grid_clips" if path.suffix == ".gif" else "samples/grid"
         else:
             who, _, index = path.stem.rpartition("_prompt_")
             key = f"{'teacher' if who == 'teacher' else 'samples'}/prompt_{index}"
-        media[key] = wandb.Video(str(path), format="mp4") if path.suffix == ".mp4" else wandb.Image(str(path))
+        if path.suffix in (".mp4", ".gif"):
+            media[key] = wandb.Video(str(path), format=path.suffix[1:])
+        else:
+            media[key] = wandb.Image(str(path))
     return media

@@ -104,6 +104,18 @@ class UpdateLoss:
         ]
 
 
+def motion_ratio(metrics: dict[str, Any]) -> dict[str, Any]:
+    """On clips: `latent_motion_ratio` = the student's clean estimates' frame-to-frame change over
+    the teacher's for the same prompts (`flow_matching.motion_extras`, under any update's prefix).
+    1 = as much motion as the teacher; a ratio falling below 1 during a run is slow motion coming."""
+    for key in [k for k in metrics if k.endswith("teacher_motion")]:
+        prefix = key[: -len("teacher_motion")]
+        ours, theirs = metrics.pop(f"{prefix}motion", None), metrics.pop(key)
+        if ours is not None and theirs:
+            metrics["latent_motion_ratio"] = ours / theirs
+    return metrics
+
+
 class Method:
     """Base of a distillation method. Subclasses set `name` and implement `loss`."""
 
@@ -145,7 +157,7 @@ class Method:
 
     def finish_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Turn the averaged extras of a logged step into reported metrics (same on every rank)."""
-        return metrics
+        return motion_ratio(metrics)
 
     @staticmethod
     def identity(cfg: TrainConfig) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from distill.models.few_step import check_grid, few_step_scheduler, rollout, stu
 from distill.models.flow_matching import (
     add_noise,
     high_noise_mask,
+    motion_extras,
     per_sample_mse,
     shift_sigmas,
     sigmas_to_timesteps,
@@ -279,8 +280,13 @@ class DmdMethod(Method):
         return UpdateLoss(
             per_sample_mse(prediction, noise - x0_hat),
             high_noise_mask(timesteps, env.teacher.boundary_ratio),
-            # The student's samples against the teacher's clean latents: over-saturation shows here first.
-            {"sample_mean": x0_hat.mean(dim=dims), "sample_std": x0_hat.std(dim=dims)},
+            # The student's samples against the teacher's clean latents: over-saturation shows here
+            # first, and on clips slow motion (the teacher's cached latents of the same prompts).
+            {
+                "sample_mean": x0_hat.mean(dim=dims),
+                "sample_std": x0_hat.std(dim=dims),
+                **motion_extras(x0_hat, batch["x0"].to(env.device, torch.float32, non_blocking=True)),
+            },
         )
 
     def generator_loss(
@@ -323,7 +329,7 @@ class DmdMethod(Method):
             metrics["latent_std_ratio"] = metrics.pop("critic_sample_std") / max(std, 1e-12)
         if metrics.get("critic_loss") is not None:  # null: every critic update since the last row skipped
             metrics.update(self.trend.add(metrics["critic_loss"]))
-        return metrics
+        return super().finish_metrics(metrics)
 
     @staticmethod
     def identity(cfg: TrainConfig) -> dict[str, Any]:

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from distill.models.flow_matching import add_noise, high_noise_mask, per_sample_mse, sigmas_to_timesteps
+from distill.models.flow_matching import (
+    add_noise,
+    high_noise_mask,
+    motion_extras,
+    per_sample_mse,
+    sigmas_to_timesteps,
+)
 from distill.train.methods.base import BatchRandomness, Method, UpdateLoss
 
 
@@ -40,6 +46,11 @@ class VelocityMethod(Method):
             prediction = self.train_models["student"](
                 hidden_states=x_t, timestep=timesteps_device, encoder_hidden_states=cond, return_dict=False
             )[0]
+        # On clips: the clean estimates both imply at this x_t, whose frame-to-frame change is the motion.
+        sigma = sigmas.to(device, torch.float32, non_blocking=True).view(-1, *([1] * (x_t.dim() - 1)))
+        extras = motion_extras(x_t - sigma * prediction.float(), x_t - sigma * target.float())
         return UpdateLoss(
-            per_sample_mse(prediction, target), high_noise_mask(timesteps_device, env.teacher.boundary_ratio)
+            per_sample_mse(prediction, target),
+            high_noise_mask(timesteps_device, env.teacher.boundary_ratio),
+            extras,
         )
