@@ -14,7 +14,7 @@ SEED ?= 0
 # runs (the teacher-latent cache took 21 s against 3 min beside another job).
 DEMO_ENV := OMP_NUM_THREADS=1
 
-.PHONY: demo test lint format clean toy-stage1
+.PHONY: demo test lint format clean toy-stage1 toy-stage1-clips
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ demo: $(STAMP)
 # README's toy stage 2 start): velocity distillation at guidance 1, 6,000 steps, ~17 min on one core.
 toy-stage1: $(STAMP)
 	$(PY) -m distill.toy.stage_one --retrain
+
+# The same stage 1 on the moving world's clips (assets/toy_student_clips_stage1/; ~15 min on one core).
+toy-stage1-clips: $(STAMP)
+	$(PY) -m distill.toy.stage_one --retrain --clips
 
 # The suite on both cores (pytest-xdist; the failure scenarios are rehearsed under load on purpose,
 # see distill/stress.py), then the error-handling scenarios as users run them, as a plain command.

@@ -170,3 +170,16 @@ def test_motion_figures_of_latents() -> None:
     assert motion_ratio({f"critic_{k}": v for k, v in metrics.items()})[
         "latent_motion_ratio"
     ] == pytest.approx(0.5, rel=1e-5)
+
+
+def test_the_teacher_build_stops_when_its_vae_loses_the_motion(tmp_path):
+    from distill.ops.errors import DistillError
+    from distill.toy.build import train
+    from distill.toy.recipe import Recipe
+
+    # An unfitted VAE (vae_steps 0): its reconstructed clips show no motion, so no expert may train
+    # on its latents, and nothing is written.
+    with pytest.raises(DistillError, match="loses the clips' motion") as caught:
+        train(Recipe(vae_steps=0, expert_steps=1), tmp_path / "teacher", log=lambda line: None)
+    assert "--vae_steps" in str(caught.value.fixes)
+    assert not list(tmp_path.iterdir())

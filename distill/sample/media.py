@@ -166,15 +166,19 @@ def plot_sample_grid(
 ) -> Path:
     """One labelled row of images per (label, images) (teacher first), one column per prompt.
 
-    Tiles are 2 inches tall; images wider than tall (frame strips) get tiles 2 inches * aspect
-    wide, so that they are not shrunk into a square-sized slot. Square images keep the old size.
+    Tiles are 2 inches wide; images wider than tall (frame strips) get tiles as wide as their
+    aspect needs at the height a tile's image gets (about 1.3 inches), so that they are neither
+    shrunk into a square slot nor spread out with empty space between the columns.
     """
     plt = pyplot()
     columns = max([len(images) for _, images in rows] + [1])
     aspect = max([image.shape[1] / image.shape[0] for _, images in rows for image in images] + [1.0])
+    tile_width = 2.0 if aspect <= 1.0 else 1.3 * aspect + 0.2
     fig, axes = plt.subplots(
-        len(rows), columns, figsize=(2.0 * aspect * columns, 2.1 * len(rows) + 0.4), squeeze=False
+        len(rows), columns, figsize=(tile_width * columns, 2.1 * len(rows) + 0.4), squeeze=False
     )
+    if aspect > 1.0:
+        fig.subplots_adjust(wspace=0.08)
     for row, (label, images) in enumerate(rows):
         for col in range(columns):
             ax = axes[row][col]

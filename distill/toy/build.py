@@ -299,11 +299,7 @@ def train(
         # The slowest part: kept beside the output, so a failure later does not cost it again.
         parts["vae"].save_pretrained(out_dir.parent / f"{out_dir.name}.vae")
     log(f"vae reconstructions: {reconstruction_score(parts['vae'], recipe)}")
-    scenes = world.sample_scenes(recipe.num_latents, recipe.seed * 7919 + 10**6 + 3)
-    latents = encode_pictures(parts["vae"], scenes, recipe.size)
-    prompts = world.all_prompts()
-    clip_scenes: list[world.Scene] = []
-    if recipe.clip_frames:
+    if recipe.clip_frames:  # before any latent is encoded: a VAE that loses the motion costs nothing more
         gate = clip_reconstruction_score(parts["vae"], recipe)
         log(f"vae clip reconstructions: {gate}")
         if not gate["passes_gate"]:
@@ -313,6 +309,11 @@ def train(
                 fixes=["Fit the VAE longer: --vae_steps (from the saved one: --vae_from DIR.vae)"],
                 stage=Stage.INTERNAL,
             )
+    scenes = world.sample_scenes(recipe.num_latents, recipe.seed * 7919 + 10**6 + 3)
+    latents = encode_pictures(parts["vae"], scenes, recipe.size)
+    prompts = world.all_prompts()
+    clip_scenes: list[world.Scene] = []
+    if recipe.clip_frames:
         clip_scenes = world.sample_scenes(recipe.num_clip_latents, recipe.seed * 7919 + 10**6 + 6, clips=True)
         prompts = [*prompts, *world.all_clip_prompts()]
     table = encode_texts(tokenizer, text_encoder, [*prompts, ""])
@@ -341,11 +342,21 @@ def train(
     pipe = WanPipeline(**parts, boundary_ratio=recipe.boundary_ratio)
     staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
     pipe.save_pretrained(staging, safe_serialization=True)
+    forget_source_paths(staging)
     write_world_file(staging, recipe)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(staging, out_dir)
     return out_dir
+
+
+def forget_source_paths(folder: Path) -> None:
+    """Drop `_name_or_path` from the saved configs: a part loaded with --from records the folder it
+    came from, and the shipped teacher must carry no machine's paths."""
+    for config in folder.glob("*/config.json"):
+        settings = json.loads(config.read_text())
+        if settings.pop("_name_or_path", None) is not None:
+            config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def write_world_file(
@@ -442,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--expert_lr", type=float, default=Recipe.expert_lr)
     parser.add_argument(
+        "--expert_clip_batch", type=int, default=Recipe.expert_clip_batch, help="clips per expert step"
+    )
+    parser.add_argument(
         "--clip_frames", type=int, default=Recipe.clip_frames, help="frames of the clips; 0 = pictures only"
     )
     parser.add_argument(
@@ -459,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         expert_steps=args.expert_steps,
         vae_steps=args.vae_steps,
         expert_lr=args.expert_lr,
+        expert_clip_batch=args.expert_clip_batch,
         clip_frames=args.clip_frames,
     )
     command = "python -m distill.toy.build " + " ".join(argv if argv is not None else sys.argv[1:])

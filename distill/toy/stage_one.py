@@ -6,9 +6,10 @@ dmd test and the README's toy commands start stage 2 from this student instead o
 again, the way the toy teacher itself is shipped. Rebuild it with
 
     python -m distill.toy.stage_one --retrain      # or: make toy-stage1
+    python -m distill.toy.stage_one --retrain --clips   # the moving world's (assets/toy_student_clips_stage1/)
 
 which trains with the recipe below (through the trainer, like any run) and replaces
-assets/toy_student_stage1/. Its run_settings.json and model card name the teacher as
+assets/toy_student_stage1/ (with --clips: the same recipe on the world's clips, CLIP_RECIPE). Its run_settings.json and model card name the teacher as
 `outputs/toy-wan` (where `download_wan.py --toy` and `make demo` put it), not the folder it was
 trained from, so the shipped files carry no machine's paths.
 """
@@ -47,9 +48,20 @@ RECIPE = {
 }
 
 
-def recipe_args(teacher: str | Path, output_dir: str | Path, cache_dir: str | Path) -> list[str]:
-    """train_distillation.py arguments of the stage-1 recipe."""
-    settings = {"teacher_path": teacher, "output_dir": output_dir, "cache_dir": cache_dir, **RECIPE}
+# The moving world: the same student and recipe on the 1,944 clip prompts, 9 frames (3 latent frames).
+CLIP_ASSET = REPO / "assets" / "toy_student_clips_stage1"
+CLIP_RECIPE = RECIPE | {
+    "data_path": str(REPO / "data" / "toy_video_prompts.txt"),
+    "num_frames": 9,
+}
+
+
+def recipe_args(
+    teacher: str | Path, output_dir: str | Path, cache_dir: str | Path, recipe: dict | None = None
+) -> list[str]:
+    """train_distillation.py arguments of the stage-1 recipe (RECIPE unless `recipe`)."""
+    recipe = RECIPE if recipe is None else recipe
+    settings = {"teacher_path": teacher, "output_dir": output_dir, "cache_dir": cache_dir, **recipe}
     return [item for key, value in settings.items() for item in (f"--{key}", str(value))]
 
 
@@ -74,9 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m distill.toy.stage_one", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--retrain", action="store_true", help="train stage 1 again (~17 min) and ship it")
-    parser.add_argument("--work_dir", default="outputs/toy-stage1", help="where the run itself goes")
-    parser.add_argument("--output", default=str(ASSET), help="where the student is shipped")
+    parser.add_argument("--clips", action="store_true", help="the moving world's stage 1 (CLIP_RECIPE)")
+    parser.add_argument("--work_dir", help="where the run itself goes (default outputs/toy-stage1[-clips])")
+    parser.add_argument("--output", help=f"where the student is shipped (default {ASSET} or {CLIP_ASSET})")
     args = parser.parse_args(argv)
+    args.output = args.output or str(CLIP_ASSET if args.clips else ASSET)
+    args.work_dir = args.work_dir or ("outputs/toy-stage1-clips" if args.clips else "outputs/toy-stage1")
     if not args.retrain:
         parser.error(f"pass --retrain to train the stage-1 toy student (it replaces {args.output})")
     import torch
@@ -88,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared machine
     work = Path(args.work_dir)
     teacher = write_toy_teacher(work / "teacher", overwrite=True)
-    result = Distiller(parse_config(recipe_args(teacher, work / "run", work / "cache"))).run()
+    recipe = CLIP_RECIPE if args.clips else RECIPE
+    result = Distiller(parse_config(recipe_args(teacher, work / "run", work / "cache", recipe))).run()
     print(ship(result.student_dir, Path(args.output).absolute()))
     return 0
 

@@ -141,7 +141,8 @@ def reconstruction_score(vae: Any, recipe: Recipe, count: int = 256) -> dict[str
     y = vae.decode(vae.encode(to_vae_input(render_batch(scenes, recipe.size))).latent_dist.mode()).sample
     pictures = ((y[:, :, 0].permute(0, 2, 3, 1) + 1.0) / 2.0).clamp(0, 1).numpy()
     result = score(list(pictures), [s.prompt for s in scenes])
-    return {"accuracy": result["accuracy"], "diversity_gap": round(result["diversity_gap"], 3)}
+    gap = result["diversity_gap"]  # None when no reconstruction shows a shape
+    return {"accuracy": result["accuracy"], "diversity_gap": None if gap is None else round(gap, 3)}
 
 
 @torch.no_grad()

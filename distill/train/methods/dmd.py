@@ -212,13 +212,13 @@ class DmdMethod(Method):
         rng: BatchRandomness,
         model: torch.nn.Module,
         regression: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """The student's clean estimate x0_hat at a random one of its K steps, computed by `model` (the
         caller decides whether it carries gradient).
 
         With `regression`, the same forward also gives the student's first-step estimate from the
         teacher's own initial noise (whose teacher sample is the cached x0): DDP allows one forward
-        per backward, so both ride in one batch. Returns (x0_hat, that estimate or None).
+        per backward, so both ride in one batch. Returns (x0_hat, that estimate or None, the step).
         """
         env, device = self.env, self.env.device
         shape = tuple(batch["x0"].shape)
@@ -247,8 +247,8 @@ class DmdMethod(Method):
             )[0].float()
         x0_hat = x.float() - self.sigmas[k].to(device) * velocity[:n]
         if not regression:
-            return x0_hat, None
-        return x0_hat, inputs[n:] - self.sigmas[0].to(device) * velocity[n:]
+            return x0_hat, None, k
+        return x0_hat, inputs[n:] - self.sigmas[0].to(device) * velocity[n:], k
 
     # -- losses --------------------------------------------------------------------------------
     def loss(self, update: str, batch: dict[str, torch.Tensor], rng: BatchRandomness) -> UpdateLoss:
@@ -263,7 +263,7 @@ class DmdMethod(Method):
         """Flow matching of the critic on detached student samples (target: noise - x0_hat)."""
         env = self.env
         with torch.no_grad():
-            x0_hat, _ = self.generate(batch, cond, rng, self.models["student"])
+            x0_hat, _, step = self.generate(batch, cond, rng, self.models["student"])
         if self.phase == "both":
             sigmas, _ = rng.sigmas(x0_hat.shape[0], env.shift)
         else:
@@ -285,9 +285,21 @@ class DmdMethod(Method):
             {
                 "sample_mean": x0_hat.mean(dim=dims),
                 "sample_std": x0_hat.std(dim=dims),
-                **motion_extras(x0_hat, batch["x0"].to(env.device, torch.float32, non_blocking=True)),
+                **self.final_motion(x0_hat, batch, step),
             },
         )
+
+    def final_motion(
+        self, x0_hat: torch.Tensor, batch: dict[str, torch.Tensor], step: int
+    ) -> dict[str, torch.Tensor]:
+        """Motion extras of the student's samples against the teacher's cached latents, counted only
+        when `step` is the student's last: earlier steps' estimates are blurred means, whose smaller
+        frame-to-frame change would read as slow motion in a student that has none."""
+        teacher = batch["x0"].to(self.env.device, torch.float32, non_blocking=True)
+        extras = motion_extras(x0_hat, teacher)
+        if step != len(self.timesteps) - 1:  # zeros add nothing to the ratio of the sums
+            extras = {name: torch.zeros_like(value) for name, value in extras.items()}
+        return extras
 
     def generator_loss(
         self, batch: dict[str, torch.Tensor], cond: torch.Tensor, rng: BatchRandomness
@@ -295,7 +307,7 @@ class DmdMethod(Method):
         env, cfg = self.env, self.cfg
         student = self.train_models["student"]
         regression = cfg.regression_weight > 0
-        x0_hat, first = self.generate(batch, cond, rng, student, regression)
+        x0_hat, first, _ = self.generate(batch, cond, rng, student, regression)
         batch_size = x0_hat.shape[0]
         uniform, every = rng.uniform(batch_size)
         if self.phase != "both":
