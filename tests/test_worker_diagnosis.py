@@ -121,3 +121,26 @@ def test_a_secondary_failure_is_dated_after_the_first_for_torchruns_root_cause(t
         report(error)
     first, second = (json.loads(files[rank].read_text())["timestamp"] for rank in (1, 0))
     assert second > first  # torchrun picks the earliest, and rank 0 on a tie
+
+
+def test_a_rank_killed_while_writing_its_error_file_leaves_none_half_written(tmp_path, monkeypatch):
+    # torchrun parses the error file of every failed rank, and crashes (JSONDecodeError, no summary)
+    # on an empty one: what a rank it SIGTERMs between opening and filling the file would leave.
+    import json
+
+    from distill.ops.errors import write_torchrun_error_file
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stands for the signal arriving mid-write
+
+    monkeypatch.setattr(json, "dump", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_torchrun_error_file("first banner")
+    assert not path.exists()  # torchrun then reports the exit code alone, and does not crash
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    write_torchrun_error_file("the banner")
+    assert json.loads(path.read_text())["message"] == "the banner"

@@ -106,6 +106,10 @@ def write_torchrun_error_file(message: str, secondary: bool = False) -> None:
     the earliest timestamp as the root cause, in whole seconds, and the lowest rank on a tie: a
     `secondary` failure (a rank that lost its peer) is dated one second later, so that it never
     takes the place of the rank that failed first within the same second.
+
+    Written under a temporary name and renamed: torchrun parses the file of every failed rank, and
+    a rank it SIGTERMs between truncating the file and filling it would leave an empty one, on
+    which torchrun itself crashes (JSONDecodeError) instead of printing its summary.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -113,9 +117,11 @@ def write_torchrun_error_file(message: str, secondary: bool = False) -> None:
     import json
     import time
 
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as handle:
+        with open(partial, "w") as handle:
             json.dump({"message": message, "timestamp": int(time.time()) + int(secondary)}, handle)
+        os.replace(partial, path)
     except OSError:
         pass  # reporting must never fail the report itself
 
