@@ -113,6 +113,35 @@ def test_oom_with_several_gpus_suggests_shard_and_a_cpu_teacher_is_left_on_the_c
     assert parse_config(combined_command(on_cpu)).teacher_placement == "cpu"
 
 
+LORA = [a for a in BASE if a not in ("--student_config", "config/student_config.json")] + [
+    "--method",
+    "dmd",
+    "--student_lora_rank",
+    "64",
+]
+
+
+@pytest.mark.parametrize(
+    ("extra", "world", "placement", "first"),
+    [
+        ([], 1, "auto", "--expert_phase high, then"),
+        (["--critic_lora_rank", "0"], 4, "shard", "--critic_lora_rank 64 --teacher_placement shard"),
+        ([], 4, "shard", "--teacher_placement shard: each of the 4 ranks"),
+    ],
+)
+def test_oom_in_a_lora_run_offers_what_a_lora_run_accepts(monkeypatch, extra, world, placement, first):
+    """Never the cpu placement (the adapters train inside the experts) nor a smaller student config."""
+    if world > 1:
+        as_torchrun(monkeypatch, world)
+    error = out_of_memory_error(CUDA_OOM, [*LORA, *extra], world_size=world, gpu=True)
+    text = "\n".join(error.fixes)
+    assert error.fixes[0].startswith(first), error.fixes
+    assert "--teacher_placement cpu" not in text and "--student_config" not in text
+    assert "--student_lora_rank" in text
+    after = parse_config(combined_command(error))  # raises if the trainer would refuse it
+    assert after.teacher_placement == placement and after.gradient_checkpointing
+
+
 def test_oom_suggests_bfloat16_only_where_the_teacher_is_float32():
     def suggests_bf16(argv: list[str], gpu: bool) -> bool:
         return any("--teacher_dtype bfloat16" in f for f in out_of_memory_error(CUDA_OOM, argv, 1, gpu).fixes)

@@ -135,7 +135,7 @@ def test_exported_adapters_load_into_stock_diffusers_and_the_wan_format_reads_ba
     high, low = tiny_experts()
     lora = lora_run(high, low, critic=False)
     student = lora.model(STUDENT_ADAPTER, BOUNDARY)
-    perturb(student, seed=3)
+    perturb(student, seed=1)
     shape = LoraShape(4, 8.0)  # alpha != rank: the strength must travel with the files
     folder = write_lora_folder({w: student.state(w) for w in EXPERTS}, shape, tmp_path / "lora")
     umask = os.umask(0)
@@ -328,6 +328,64 @@ def test_a_lora_run_under_torchrun_matches_one_process(tiny_teacher, tmp_path):
     assert (tmp_path / "n2" / "lora" / FILES["high"]).is_file()
 
 
+def test_a_lora_run_with_the_experts_sharded_matches_whole_experts_and_merges_them(tiny_teacher, tmp_path):
+    """FSDP2 holds 1/2 of each expert's frozen weights per rank; the adapters stay whole and DDP-reduced.
+    One sample per rank, so steps where the ranks' samples fall on different sides of the boundary
+    make a rank run an expert on a placeholder (and back-propagate through it) to keep the gathers
+    in step; gradient checkpointing recomputes sharded blocks in backward."""
+    from diffusers import WanTransformer3DModel
+
+    from distill.models.lora_files import write_merged_experts
+
+    # Seed 2: the ranks' critic samples fall on different sides of the boundary in several updates
+    # (6 placeholder forwards with gradient, counted when this test was written).
+    common = dict(batch_size=1, num_steps=4, gradient_checkpointing=True, seed=2)
+    for placement in ("shard", "gpu"):
+        args = lora_args(
+            tiny_teacher, tmp_path / placement, tmp_path / "cache", teacher_placement=placement, **common
+        )
+        if placement == "shard":
+            args += ["--export_formats", "diffusers,merged"]
+        stderr = launch(args, nproc=2).stderr
+        assert f"teacher placement: {placement}" in stderr
+    assert "all 2 ranks hold identical student and critic weights" in stderr
+    keys = ("loss", "grad_norm", "critic_loss", "critic_grad_norm")
+    # Gathered weights are exact; placeholders and the gathers reorder some float sums (1e-5 seen).
+    assert_same_trajectory([tmp_path / "shard", tmp_path / "gpu"], first_rtol=1e-4, rtol=1e-3, keys=keys)
+    # merged/ gathered from the shards = the whole teacher's experts with the run's own lora/ added in.
+    shape, states = read_lora_folder(tmp_path / "shard" / "lora")
+    high, low = (
+        WanTransformer3DModel.from_pretrained(tiny_teacher / name)
+        for name in ("transformer", "transformer_2")
+    )
+    experts = LoraExperts(high, low, shape, None, seed=0)
+    experts.load(STUDENT_ADAPTER, states)
+    expected = write_merged_experts({"high": high, "low": low}, STUDENT_ADAPTER, tmp_path / "expected")
+    for name in ("transformer", "transformer_2"):
+        ours = WanTransformer3DModel.from_pretrained(tmp_path / "shard" / "merged" / name).state_dict()
+        theirs = WanTransformer3DModel.from_pretrained(expected / name).state_dict()
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        ({"critic_lora_rank": 0, "teacher_placement": "shard"}, "--critic_lora_rank"),
+        ({"teacher_placement": "cpu"}, "--teacher_placement"),
+    ],
+)
+def test_placements_a_lora_run_cannot_use_are_refused_with_the_way_out(
+    tiny_teacher, tmp_path, capsys, extra, flag
+):
+    code = main(lora_args(tiny_teacher, tmp_path / "out", tmp_path / "cache", **extra))
+    err = capsys.readouterr().err
+    assert code == 3 and flag in err and "Traceback" not in err
+    assert "--teacher_placement gpu" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_lora_dmd_defaults_to_adapter_rates_and_a_full_critic_keeps_dmds_own(tiny_teacher, tmp_path):
     def rates(**extra):
         args = lora_args(
@@ -432,6 +490,14 @@ def test_the_memory_plan_holds_the_experts_once_and_counts_what_each_phase_train
     assert high.student == pytest.approx(both.student / 2) and high.teacher == both.teacher
     text = memory_plan(cfg, info, a14b, cpu, critic_config=a14b)
     assert "LoRA rank 64" in text and "held once" in text and "LoRA rank 64 on the same experts" in text
+    # Sharded over 8 GPUs each holds 1/8 of the experts (plus one gathered block of each) and the
+    # whole adapters: both experts' adapters and a LoRA critic then fit an 80 GB GPU.
+    sharded = estimate(cfg, info, a14b, cpu, "shard", 8, a14b)
+    assert sharded.teacher / gib == pytest.approx(53.3 / 8 + 2 * 53.3 / 2 / 40, abs=0.1)
+    assert sharded.student == both.student and sharded.total < both.total - 45 * gib
+    eight = memory_plan(cfg, info, a14b, cpu, world_size=8, critic_config=a14b)
+    verdict = eight.splitlines()[-1]
+    assert "shard yes" in verdict and "cpu" not in verdict  # a LoRA run never streams its experts
 
 
 def test_a_rank_above_what_the_layers_hold_is_refused_before_anything_is_written(

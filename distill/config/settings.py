@@ -484,12 +484,20 @@ class TrainConfig:
                 "keys in lora/comfyui/)",
                 "drop original from --export_formats",
             )
-        if self.teacher_placement in ("cpu", "shard"):
+        if self.teacher_placement == "cpu":
             raise config_error(
                 "teacher_placement",
-                f"{self.teacher_placement} is not available with --student_lora_rank yet: the adapters "
-                "train inside the teacher's experts, which must then sit whole on the training device",
-                "use --teacher_placement gpu (or auto)",
+                "cpu is not available with --student_lora_rank: the adapters train inside the teacher's "
+                "experts, which must then compute on the training device",
+                "use --teacher_placement gpu, or shard with several GPUs (or auto)",
+            )
+        if self.teacher_placement == "shard" and self.method == "dmd" and not self.critic_adapter_rank:
+            raise config_error(
+                "critic_lora_rank",
+                "0 (a full critic) copies both experts whole onto every rank, which --teacher_placement "
+                "shard is there to avoid",
+                "give the critic adapters (leave --critic_lora_rank out: the student's rank), or use "
+                "--teacher_placement gpu",
             )
 
     @property

@@ -28,6 +28,7 @@ from torch import nn
 
 from distill.config.settings import LORA_TARGETS as DEFAULT_TARGETS
 from distill.models.flow_matching import high_noise_mask
+from distill.ops.distributed import any_rank
 
 EXPERTS = ("high", "low")  # transformer (t >= boundary), transformer_2
 STUDENT_ADAPTER = "student"
@@ -135,34 +136,54 @@ def route(
     encoder_hidden_states: torch.Tensor,
     boundary_ratio: float,
     call: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    lockstep: bool = False,
 ) -> torch.Tensor:
-    """Run each sample through the expert of its timestep (`call(which, x, t, text)`), in batch order."""
+    """Run each sample through the expert of its timestep (`call(which, x, t, text)`), in batch order.
+
+    `lockstep` (experts sharded over the ranks, whose forward and backward gather weights from every
+    rank): whenever any rank runs an expert, every rank does, in the same order, a rank without a
+    sample for it on a placeholder (its first sample) that the output drops. The placeholder still
+    joins the output's graph (cat, then a selection of the real rows), so backward also passes
+    through that expert on every rank, with zero gradient."""
     is_high = high_noise_mask(timestep.detach().cpu(), boundary_ratio)
-    parts, order = [], []
+    parts, rows_of_parts = [], []
     for which, mask in (("high", is_high), ("low", ~is_high)):
         rows = mask.nonzero().flatten()
-        if rows.numel() == 0:
+        present = rows.numel() > 0
+        if lockstep:
+            present = any_rank(present, hidden_states.device)
+        if not present:
             continue
-        index = rows.to(hidden_states.device)
+        inputs = rows if rows.numel() else torch.zeros(1, dtype=torch.long)  # the placeholder: sample 0
+        index = inputs.to(hidden_states.device)
         parts.append(
             call(
                 which,
                 hidden_states.index_select(0, index),
-                timestep.index_select(0, rows.to(timestep.device)),
+                timestep.index_select(0, inputs.to(timestep.device)),
                 encoder_hidden_states.index_select(0, index),
             )
         )
-        order.append(rows)
+        rows_of_parts.append(rows if rows.numel() else None)
     out = torch.cat(parts)
-    if len(parts) == 1:
+    if len(parts) == 1 and not lockstep:
         return out
-    return out.index_select(0, torch.cat(order).argsort().to(out.device))
+    # Position in `out` of each real sample, in batch order (a placeholder's row is left out).
+    positions, order, start = [], [], 0
+    for part, rows in zip(parts, rows_of_parts):
+        if rows is not None:
+            positions.append(torch.arange(start, start + rows.numel()))
+            order.append(rows)
+        start += part.shape[0]
+    chosen = torch.cat(positions).index_select(0, torch.cat(order).argsort())
+    return out.index_select(0, chosen.to(out.device))
 
 
 class RoutedModel(nn.Module):
     """Base of a trained model made of two experts routed by timestep, called like one Wan transformer."""
 
     boundary_ratio: float
+    lockstep: bool = False  # True when the experts are sharded over the ranks (see `route`)
 
     def forward(
         self,
@@ -175,7 +196,9 @@ class RoutedModel(nn.Module):
         def call(which: str, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
             return self.run_expert(which, x, t, text, **kwargs)
 
-        return (route(hidden_states, timestep, encoder_hidden_states, self.boundary_ratio, call),)
+        return (
+            route(hidden_states, timestep, encoder_hidden_states, self.boundary_ratio, call, self.lockstep),
+        )
 
     def run_expert(
         self, which: str, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, **kwargs: Any

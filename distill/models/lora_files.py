@@ -144,9 +144,13 @@ def read_lora_folder(folder: str | Path) -> tuple[LoraShape, dict[str, dict[str,
     return shape, states
 
 
-def merged_state(expert: torch.nn.Module, adapter: str) -> dict[str, torch.Tensor]:
-    """The expert's weights with adapter `adapter` added in (W + scale B A), in its own key names."""
+def merged_state(expert: torch.nn.Module, adapter: str, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The expert's weights with adapter `adapter` added in (W + scale B A), in its own key names.
+
+    A sharded expert (FSDP2) is gathered one tensor at a time, a collective: every rank calls this,
+    and only the one that writes keeps the tensors (`keep`; the others return {})."""
     from peft.tuners.lora.layer import Linear as LoraLinear
+    from torch.distributed.tensor import DTensor
 
     deltas = {
         name: module.get_delta_weight(adapter)
@@ -157,6 +161,11 @@ def merged_state(expert: torch.nn.Module, adapter: str) -> dict[str, torch.Tenso
     for key, tensor in expert.state_dict().items():
         if ".lora_" in key:
             continue
+        if isinstance(tensor, DTensor):
+            # The gathered tensor may be a view of a padded gather buffer: own storage for safetensors.
+            tensor = tensor.full_tensor().clone()
+        if not keep:
+            continue
         module, _, leaf = key.rpartition(".base_layer.")
         if module and leaf == "weight" and module in deltas:
             tensor = (tensor.float() + deltas[module].float()).to(tensor.dtype)
@@ -164,9 +173,15 @@ def merged_state(expert: torch.nn.Module, adapter: str) -> dict[str, torch.Tenso
     return state
 
 
-def write_merged_experts(experts: Mapping[str, torch.nn.Module], adapter: str, out_dir: str | Path) -> Path:
+def write_merged_experts(
+    experts: Mapping[str, torch.nn.Module],
+    adapter: str,
+    out_dir: str | Path,
+    states: Mapping[str, dict[str, torch.Tensor]] | None = None,
+) -> Path:
     """`out_dir`/transformer and `out_dir`/transformer_2: both experts with the adapter merged in, as
-    standalone diffusers models (for users who want no adapters at all). Staged and renamed."""
+    standalone diffusers models (for users who want no adapters at all). Staged and renamed.
+    `states`: the merged weights when already gathered (`merged_state`, sharded experts)."""
     from huggingface_hub import save_torch_state_dict
 
     out_dir = Path(out_dir)
@@ -178,7 +193,7 @@ def write_merged_experts(experts: Mapping[str, torch.nn.Module], adapter: str, o
             target = staging / subfolder
             target.mkdir()
             save_torch_state_dict(
-                merged_state(expert, adapter),
+                states[which] if states is not None else merged_state(expert, adapter),
                 target,
                 filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
             )

@@ -318,16 +318,19 @@ def shard_expert(model: Any, device: torch.device, world_size: int) -> Any:
     """Shard a frozen expert over all ranks with FSDP2: each rank keeps 1/N of every block.
 
     One `fully_shard` per transformer block, then the root, so a forward gathers one block at a
-    time and frees it after use. No gradients and no optimizer: only the parameters are sharded.
+    time and frees it after use. No gradients and no optimizer: only the frozen weights are sharded.
+    LoRA adapters inside the expert (a LoRA student's or critic's) stay whole on every rank, outside
+    FSDP: they are small, and DDP reduces their gradients as it does any trained model's.
     Every rank must then call the expert the same number of times (see GuidedTeacher.lockstep).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world_size,))
+    adapters = {p for name, p in model.named_parameters() if ".lora_" in name}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=adapters)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=adapters)
     return model
 
 

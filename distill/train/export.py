@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distill.models.lora import EXPERTS, AdapterModel
-from distill.models.lora_files import write_lora_folder, write_merged_experts
+from distill.models.lora_files import merged_state, write_lora_folder, write_merged_experts
 from distill.models.original.export import export_original
 from distill.models.student import export_student, unwrap_model
 from distill.ops import distributed as dist_utils
@@ -28,10 +28,10 @@ logger = logging.getLogger(__name__)
 def export_run(loop: TrainingLoop) -> tuple[Path | None, Path | None]:
     """Rank 0 writes student/ (and student_ema/); the others wait for it."""
     student_dir = ema_dir = None
+    student = unwrap_model(loop.student)
+    if isinstance(student, AdapterModel):  # every rank: merging sharded experts gathers them
+        return export_lora(loop, student)
     if loop.ctx.is_main:
-        student = unwrap_model(loop.student)
-        if isinstance(student, AdapterModel):
-            return export_lora(loop, student)
         scheduler = loop.method.export_scheduler()
         kept = ckpt.complete_checkpoints(ckpt.checkpoint_root(loop.output_dir))
         resume_from = kept[-1].name if kept else None
@@ -65,7 +65,25 @@ def export_run(loop: TrainingLoop) -> tuple[Path | None, Path | None]:
 
 def export_lora(loop: TrainingLoop, student: AdapterModel) -> tuple[Path | None, Path | None]:
     """lora/ (and lora_ema/): the student's adapters in diffusers' and Wan's key names, with the
-    scheduler it samples with, run_settings.json and a model card. Called on rank 0 only."""
+    scheduler it samples with, run_settings.json and a model card; merged/ when asked. Called on
+    every rank (merging sharded experts gathers their weights); rank 0 writes."""
+    lora_dir = ema_dir = None
+    if loop.ctx.is_main:
+        lora_dir, ema_dir = write_adapters(loop, student)
+    if "merged" in loop.cfg.export_formats.split(","):
+        export_merged(loop, student)
+    if loop.ctx.is_main:
+        settings = settings_from_run(
+            loop.cfg, loop.distiller.info, loop.step, **loop.method.sampling_settings()
+        )
+        document_export(loop.output_dir, settings, lora_dir, ema_dir, student_kind="lora")
+        logger.info("LoRA adapters for both experts in %s (diffusers and comfyui/ key formats)", lora_dir)
+    dist_utils.barrier()
+    return lora_dir, ema_dir
+
+
+def write_adapters(loop: TrainingLoop, student: AdapterModel) -> tuple[Path, Path | None]:
+    """lora/ and, with EMA, lora_ema/ (rank 0)."""
     scheduler = loop.method.export_scheduler()
     shape = loop.distiller.lora.shapes[student.adapter]
 
@@ -84,23 +102,28 @@ def export_lora(loop: TrainingLoop, student: AdapterModel) -> tuple[Path | None,
             ema_dir = write(loop.output_dir / "lora_ema")
         finally:
             loop.ema.restore(params)
-    if "merged" in loop.cfg.export_formats.split(","):  # the EMA adapters when there are some
-        params = list(student.parameters())
-        if loop.ema is not None:
-            loop.ema.store(params)
-            loop.ema.copy_to(params)
-        try:
-            experts = {which: student.expert(which) for which in EXPERTS}
-            merged = write_merged_experts(experts, student.adapter, loop.output_dir / "merged")
-            logger.info("the experts with the adapters merged in: %s", merged)
-        finally:
-            if loop.ema is not None:
-                loop.ema.restore(params)
-    settings = settings_from_run(loop.cfg, loop.distiller.info, loop.step, **loop.method.sampling_settings())
-    document_export(loop.output_dir, settings, lora_dir, ema_dir, student_kind="lora")
-    logger.info("LoRA adapters for both experts in %s (diffusers and comfyui/ key formats)", lora_dir)
-    dist_utils.barrier()
     return lora_dir, ema_dir
+
+
+def export_merged(loop: TrainingLoop, student: AdapterModel) -> None:
+    """merged/: the experts with the (EMA, when kept) adapters added in. Every rank gathers a sharded
+    expert's weights; rank 0 keeps and writes them."""
+    params = list(student.parameters())
+    if loop.ema is not None:
+        loop.ema.store(params)
+        loop.ema.copy_to(params)
+    try:
+        experts = {which: student.expert(which) for which in EXPERTS}
+        states = {
+            which: merged_state(expert, student.adapter, keep=loop.ctx.is_main)
+            for which, expert in experts.items()
+        }
+        if loop.ctx.is_main:
+            merged = write_merged_experts(experts, student.adapter, loop.output_dir / "merged", states)
+            logger.info("the experts with the adapters merged in: %s", merged)
+    finally:
+        if loop.ema is not None:
+            loop.ema.restore(params)
 
 
 def write_pipeline(loop: TrainingLoop, student_dir: Path, scheduler: dict[str, Any] | None) -> Path | None:

@@ -55,18 +55,36 @@ def _oom_fixes(cfg, argv: list[str], world: int, gpu: bool) -> tuple[list[str], 
         if placement == "auto"
         else ""
     )
-    if placement in ("auto", "gpu") and world > 1:
+    lora = bool(cfg.student_lora_rank)
+    full_critic = lora and cfg.method == "dmd" and not cfg.critic_adapter_rank
+    if placement in ("auto", "gpu") and world > 1 and full_critic:
+        fixes.append(
+            "--critic_lora_rank 64 --teacher_placement shard: a LoRA critic instead of two more whole "
+            f"experts, and each of the {world} ranks holds 1/{world} of the experts{maybe}"
+        )
+        combined = rewrite(set_placement(combined, "shard"), "--critic_lora_rank", "64")
+    elif placement in ("auto", "gpu") and world > 1:
         fixes.append(
             f"--teacher_placement shard: each of the {world} ranks holds 1/{world} of the teacher and "
             f"gathers one block at a time, the largest saving with several GPUs{maybe}"
         )
         combined = set_placement(combined, "shard")
+    elif placement in ("auto", "gpu") and gpu and lora:
+        if cfg.expert_phase == "both":
+            fixes.append(
+                "--expert_phase high, then --expert_phase low --student_lora_init <its lora/>: one expert's "
+                "adapters (and their AdamW state) at a time"
+            )
+            combined = rewrite(combined, "--expert_phase", "high")
+        fixes.append("several GPUs with --teacher_placement shard: each holds 1/N of the experts")
     elif placement in ("auto", "gpu") and gpu:
         fixes.append(
             "--teacher_placement cpu: keep the teacher in CPU RAM and stream it to the GPU block by block, "
             f"the largest saving on one GPU (steps get slower){maybe}"
         )
         combined = set_placement(combined, "cpu")
+    elif placement == "shard" and gpu and lora:
+        fixes.append("more GPUs: every added rank shrinks each rank's share of the sharded experts")
     elif placement == "shard" and gpu:
         fixes.append(
             "more GPUs: every added rank shrinks each rank's share of the sharded teacher (or "
@@ -98,7 +116,10 @@ def _oom_fixes(cfg, argv: list[str], world: int, gpu: bool) -> tuple[list[str], 
     if cfg.mixed_precision == "no" and on_cuda:
         fixes.append("--mixed_precision bf16: the student's activations in bfloat16")
         combined = rewrite(combined, "--mixed_precision", "bf16")
-    fixes.append("a smaller student (fewer num_layers / a narrower config in --student_config)")
+    if lora:
+        fixes.append("smaller adapters: a lower --student_lora_rank (and --critic_lora_rank)")
+    else:
+        fixes.append("a smaller student (fewer num_layers / a narrower config in --student_config)")
     if not gpu and world > 1:
         fixes.append(
             f"host RAM: fewer ranks per node, or --teacher_load_concurrency 1 (the {world} ranks each read "

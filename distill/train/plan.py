@@ -126,10 +126,15 @@ def choose_placement(
         return "gpu", "no CUDA: the teacher computes on the same device as everything else"
     free = torch.cuda.mem_get_info(device)[0] * HEADROOM
     options = ["gpu", "shard", "cpu"] if world_size > 1 else ["gpu", "cpu"]
+    if cfg.student_lora_rank:  # the adapters train inside the experts: never streamed from the CPU
+        full_critic = cfg.method == "dmd" and not cfg.critic_adapter_rank
+        options = [p for p in options if p != "cpu" and not (p == "shard" and full_critic)]
     for placement in options:
         need = estimate(cfg, info, student_config, device, placement, world_size, critic_config).total
         if need <= free or placement == "cpu":
             return placement, f"needs about {need / GIB:.1f} GiB per device, {free / GIB:.1f} GiB usable now"
+    if cfg.student_lora_rank:
+        return options[-1], f"nothing fits; {options[-1]} needs the least memory (see --dry_run)"
     return "cpu", "nothing else fits"
 
 
@@ -207,12 +212,12 @@ def memory_plan(
     verdict = ", ".join(
         f"{p} {'yes' if estimates[p].total <= capacity * HEADROOM else 'no'}"
         for p in PLACEMENTS
-        if p != "shard" or world_size > 1
+        if (p != "shard" or world_size > 1) and (p != "cpu" or not cfg.student_lora_rank)
     )
     lines.append(f"fits {where} ({capacity * HEADROOM / GIB:.0f} GiB usable): {verdict}")
     if chosen:
         lines.append(f"teacher placement: {chosen[0]} ({chosen[1]})")
-    if local_world_size > 1:
+    if local_world_size > 1 and not cfg.student_lora_rank:  # a LoRA run never streams its experts
         lines.append(
             f"  cpu placement holds {local_world_size} teacher copies in each node's RAM "
             f"({estimates['cpu'].host_teacher * local_world_size / GIB:.1f} GiB)"

@@ -359,6 +359,7 @@ class Distiller:
             assert self.lora is not None
             adapter = STUDENT_ADAPTER if name == "student" else CRITIC_ADAPTER
             model = self.lora.model(adapter, self.info.boundary_ratio, cfg.phase_experts)
+            model.lockstep = self.placement == "shard"  # the experts' forwards are collectives
         elif init in ("teacher", "copy"):
             model = self.early_models.pop(name)
         elif init == "random":
