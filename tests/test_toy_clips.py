@@ -172,6 +172,40 @@ def test_motion_figures_of_latents() -> None:
     ] == pytest.approx(0.5, rel=1e-5)
 
 
+def test_dmd_counts_the_motion_of_the_students_final_samples_only() -> None:
+    from distill.train.methods.base import motion_ratio
+    from distill.train.methods.dmd import final_step_motion
+
+    teacher = torch.randn(2, 16, 3, 4, 4)
+    final = teacher[:, :, :1] + 0.8 * (teacher - teacher[:, :, :1])  # 0.8 of the teacher's motion
+    blurred = teacher[:, :, :1] + 0.1 * (teacher - teacher[:, :, :1])  # an early step's mean
+    rows = [final_step_motion(final, teacher, final=True), final_step_motion(blurred, teacher, final=False)]
+    # The loop averages every logged row: the early step's estimate must not pull the ratio down.
+    metrics = {f"critic_{name}": float(torch.cat([r[name] for r in rows]).mean()) for name in rows[0]}
+    assert motion_ratio(metrics)["latent_motion_ratio"] == pytest.approx(0.8, rel=1e-5)
+    # A logging window of early steps only: nothing to report, rather than a false slow motion.
+    early = final_step_motion(blurred, teacher, final=False)
+    assert "latent_motion_ratio" not in motion_ratio(
+        {f"critic_{k}": float(v.mean()) for k, v in early.items()}
+    )
+
+
+def test_a_built_teacher_folder_names_no_path_of_the_machine_it_was_built_on(tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    from distill.toy.build import forget_source_paths
+
+    folder = tmp_path / "teacher"
+    WanTransformer3DModel(
+        num_layers=1, num_attention_heads=1, attention_head_dim=8, ffn_dim=8
+    ).save_pretrained(folder / "transformer")
+    config = folder / "transformer" / "config.json"
+    config.write_text(config.read_text().replace("{", '{"_name_or_path": "/home/someone/build/teacher",', 1))
+    forget_source_paths(folder)
+    assert "/home/someone" not in config.read_text() and "_name_or_path" not in config.read_text()
+    assert WanTransformer3DModel.from_pretrained(folder / "transformer").config.num_layers == 1
+
+
 def test_the_teacher_build_stops_when_its_vae_loses_the_motion(tmp_path):
     from distill.ops.errors import DistillError
     from distill.toy.build import train

@@ -79,6 +79,16 @@ def score_estimates(
     return x0_from_velocity(x_t, real_v, sigmas), x0_from_velocity(x_t, fake_v, sigmas)
 
 
+def final_step_motion(x0_hat: torch.Tensor, teacher_x0: torch.Tensor, final: bool) -> dict[str, torch.Tensor]:
+    """Motion extras (`motion_extras`) that count only the student's FINAL samples: an earlier step's
+    estimate is a blurred mean, whose smaller frame-to-frame change would read as slow motion in a
+    student that has none. Other steps give zeros, which add nothing to either sum of the ratio."""
+    extras = motion_extras(x0_hat, teacher_x0)
+    if not final:
+        extras = {name: torch.zeros_like(value) for name, value in extras.items()}
+    return extras
+
+
 def dmd_gradient(x0_hat: torch.Tensor, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
     """DMD2's normalised distribution-matching gradient, per sample: (fake - real) / mean|x0_hat - real|."""
     x0_hat = x0_hat.detach().float()
@@ -292,14 +302,10 @@ class DmdMethod(Method):
     def final_motion(
         self, x0_hat: torch.Tensor, batch: dict[str, torch.Tensor], step: int
     ) -> dict[str, torch.Tensor]:
-        """Motion extras of the student's samples against the teacher's cached latents, counted only
-        when `step` is the student's last: earlier steps' estimates are blurred means, whose smaller
-        frame-to-frame change would read as slow motion in a student that has none."""
+        """Motion extras of the student's samples against the teacher's cached latents of the same
+        prompts (see `final_step_motion`)."""
         teacher = batch["x0"].to(self.env.device, torch.float32, non_blocking=True)
-        extras = motion_extras(x0_hat, teacher)
-        if step != len(self.timesteps) - 1:  # zeros add nothing to the ratio of the sums
-            extras = {name: torch.zeros_like(value) for name, value in extras.items()}
-        return extras
+        return final_step_motion(x0_hat, teacher, final=step == len(self.timesteps) - 1)
 
     def generator_loss(
         self, batch: dict[str, torch.Tensor], cond: torch.Tensor, rng: BatchRandomness
