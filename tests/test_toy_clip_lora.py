@@ -1,9 +1,9 @@
 """Fewer steps on VIDEO without losing the motion: a 4-step LoRA of the toy teacher's own experts,
 trained by dmd on the moving world's clips, against the teacher itself on the same prompts and noise.
 
-The small dmd student keeps 3/4 of the motion (tests/test_toy_clip_dmd.py); the same dmd with the
-teacher's capacity (its two experts plus rank-16 adapters) keeps it all, so the loss is the small
-student's, not the method's (docs/toy-world.md, the moving world)."""
+A fresh LoRA student IS the teacher, so it starts where motion is right; the small dmd student
+keeps its motion when it starts from the teacher's high-noise expert too (tests/test_toy_clip_dmd.py),
+and loses a quarter of it from a velocity-distilled stage 1 (docs/toy-world.md, the moving world)."""
 
 from __future__ import annotations
 
