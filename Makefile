@@ -14,7 +14,7 @@ SEED ?= 0
 # runs (the teacher-latent cache took 21 s against 3 min beside another job).
 DEMO_ENV := OMP_NUM_THREADS=1
 
-.PHONY: demo test lint format clean toy-stage1 toy-stage1-clips
+.PHONY: demo demo-clips test lint format clean toy-stage1 toy-stage1-clips
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,30 @@ demo: $(STAMP)
 	$(DEMO_ENV) $(PY) -m distill.evaluate --student $(DEMO_OUT)/student \
 		--prompts data/toy_sample_prompts.txt --output_dir $(DEMO_OUT)/eval
 	$(DEMO_ENV) $(PY) -m distill.demo $(DEMO_OUT)/eval
+
+# The same on VIDEO: the moving toy world's 9-frame clips, dmd into a 4-step student that starts from
+# the teacher's high-noise expert (where a clip's motion is settled; docs/toy-world.md, the moving
+# world), then the report with the motion figures and toy_clips.gif. About 6 min on 2 CPU cores
+# beside another job (the teacher-latent cache of 1,944 clips is half of it).
+CLIPS_OUT := outputs/demo-clips
+demo-clips: $(STAMP)
+	$(PY) download_wan.py --toy $(DEMO_TEACHER)
+	rm -rf $(CLIPS_OUT)
+	$(DEMO_ENV) $(PY) train_distillation.py --method dmd \
+		--teacher_path $(DEMO_TEACHER) \
+		--student_config config/student_toy_3layer.json \
+		--student_init teacher --student_init_expert high \
+		--data_path data/toy_video_prompts.txt \
+		--output_dir $(CLIPS_OUT) \
+		--cache_dir outputs/demo-clips-cache \
+		--height 32 --width 32 --num_frames 9 \
+		--teacher_sample_steps 20 \
+		--batch_size 16 --num_steps 300 --student_steps 4 --critic_updates 5 \
+		--lr 3e-5 --critic_lr 3e-4 --lr_scheduler cosine \
+		--log_every 50 --checkpoint_every 0 --seed $(SEED) \
+		--save_samples --sample_interval 300 --sample_steps 20 --sample_prompts data/toy_video_sample_prompts.txt
+	$(DEMO_ENV) $(PY) -m distill.evaluate --student $(CLIPS_OUT)/student \
+		--prompts data/toy_video_sample_prompts.txt --output_dir $(CLIPS_OUT)/eval
 
 # Retrains the shipped stage-1 toy student (assets/toy_student_stage1/, where the dmd test and the
 # README's toy stage 2 start): velocity distillation at guidance 1, 6,000 steps, ~17 min on one core.
