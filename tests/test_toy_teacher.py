@@ -150,3 +150,29 @@ def test_the_shipped_teacher_names_no_machines_paths():
     for path in ASSETS.rglob("*.json"):
         text = path.read_text()
         assert "_name_or_path" not in text and "/tmp/" not in text and "/home/" not in text, path
+
+
+def test_a_retrain_over_a_stage_one_of_another_teacher_says_how_to_start_afresh(
+    tiny_teacher, tmp_path, capsys
+):
+    """The toy teacher was rebuilt since the last stage 1: its checkpoints are refused with a banner
+    that names the way out, never a traceback, and nothing is shipped."""
+    from conftest import train_args
+
+    from distill.config.cli import parse_config
+    from distill.toy.stage_one import main as stage_one
+    from distill.train.trainer import Distiller
+
+    work = tmp_path / "work"
+    Distiller(
+        parse_config(
+            train_args(tiny_teacher, work / "run", tmp_path / "cache", num_steps=1, checkpoint_every=1)
+        )
+    ).run()
+    capsys.readouterr()
+    shipped = tmp_path / "shipped"
+    code = stage_one(["--retrain", "--work_dir", str(work), "--output", str(shipped)])
+    err = capsys.readouterr().err
+    assert code == 9 and "was made with a different" in err and f"remove {work}/" in err, err[-2000:]
+    assert "--force_resume" not in err  # a trainer flag this command does not take
+    assert "Traceback" not in err and not shipped.exists()

@@ -97,14 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from distill.config.cli import parse_config
+    from distill.ops.errors import DistillError, Stage, report
     from distill.toy.build import write_toy_teacher
     from distill.train.trainer import Distiller
 
     torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared machine
     work = Path(args.work_dir)
-    teacher = write_toy_teacher(work / "teacher", overwrite=True)
-    recipe = CLIP_RECIPE if args.clips else RECIPE
-    result = Distiller(parse_config(recipe_args(teacher, work / "run", work / "cache", recipe))).run()
+    try:
+        teacher = write_toy_teacher(work / "teacher", overwrite=True)
+        recipe = CLIP_RECIPE if args.clips else RECIPE
+        result = Distiller(parse_config(recipe_args(teacher, work / "run", work / "cache", recipe))).run()
+    except DistillError as error:
+        # The run keeps its checkpoints in the work folder so an interrupted retrain resumes; one of
+        # another teacher (the toy teacher was rebuilt since) is refused, and starting afresh is the way.
+        afresh = f"start stage 1 afresh: remove {work}/ (or pass another --work_dir)"
+        # The trainer's own ways out name flags this command does not take.
+        error.fixes = [afresh] if error.stage == Stage.CHECKPOINT else [*error.fixes, afresh]
+        return report(error)
     print(ship(result.student_dir, Path(args.output).absolute()))
     return 0
 
