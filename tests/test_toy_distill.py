@@ -20,7 +20,9 @@ STEPS = 10  # sampler steps of the students in these tests
 
 @pytest.fixture(scope="module")
 def distilled(toy_teacher, tmp_path_factory):
-    """A student distilled briefly from the toy teacher (velocity distillation, default guidance)."""
+    """A student distilled briefly from the toy teacher: velocity distillation at guidance 1, as
+    stage 1 of the recipe learns it (the guided velocity is a harder target for a short run from
+    random weights: 1,200 steps of it left the mean attribute score 0.11 above chance, 0.27 at 1)."""
     out = tmp_path_factory.mktemp("toy_run")
     args = train_args(
         toy_teacher,
@@ -31,6 +33,8 @@ def distilled(toy_teacher, tmp_path_factory):
         height=32,
         width=32,
         teacher_sample_steps=10,
+        guidance_scale=1.0,
+        guidance_scale_2=1.0,
         batch_size=16,
         num_steps=1200,
         lr=5e-3,

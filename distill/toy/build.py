@@ -1,8 +1,8 @@
 """Train the toy Wan 2.2 teacher on the toy world, and assemble teacher folders from its weights.
 
     python -m distill.toy.build --retrain          # refit everything into assets/toy_teacher/ (hours)
-    python -m distill.toy.build --retrain --from assets/toy_teacher --vae_steps 3000 --expert_steps 3000
-                                                   # teach a picture-only teacher the clips (~1 h)
+    python -m distill.toy.build --retrain --from assets/toy_teacher --vae_steps 0 --expert_steps 12000
+                                                   # train the experts further on pictures and clips (~1 h)
     python download_wan.py --toy outputs/toy-wan   # a teacher folder from the shipped weights (seconds)
 
 Trained like the real one, in miniature, at 32 x 32 pixels, on pictures (1 frame) AND clips
