@@ -112,6 +112,48 @@ def clip_prompt_file(folder: Path, count: int = 432) -> Path:
     return path
 
 
+def assert_clips_beat_the_teacher(
+    toy_teacher: Path,
+    prompts: list[str],
+    student: dict,
+    student_steps: int,
+    high,
+    low,  # noqa: ANN001
+) -> None:
+    """The bar a few-step student on clips must clear, against the toy teacher (its experts `high` and
+    `low`, its own guidance) on the same prompts and noise: at least 0.9x the teacher's full-step
+    accuracy, 0.06 above the teacher at the student's steps, motion ratio 0.85-1.15 (no slow motion,
+    no exaggerated motion) and at most twice the teacher's diversity gap."""
+    import json
+
+    from distill.toy.evaluation import sample_pictures, score_pictures
+    from distill.toy.world import CLIP_FRAMES
+
+    world = json.loads((toy_teacher / "toy_world.json").read_text())
+    teacher = {}
+    for steps in (student_steps, world["sample_steps"]):
+        clips = sample_pictures(
+            toy_teacher,
+            prompts,
+            transformer=high,
+            transformer_2=low,
+            steps=steps,
+            guidance_scale=world["guidance_scale"],
+            guidance_scale_2=world["guidance_scale_2"],
+            num_frames=CLIP_FRAMES,
+        )
+        teacher[steps] = score_pictures(clips, prompts)
+    full, same_steps = teacher[world["sample_steps"]], teacher[student_steps]
+    figures = {
+        name: (r["accuracy"], r["motion_ratio"], r["diversity_gap"])
+        for name, r in (("student", student), ("teacher, same steps", same_steps), ("teacher, full", full))
+    }
+    assert student["accuracy"] >= 0.9 * full["accuracy"], figures
+    assert student["accuracy"] >= same_steps["accuracy"] + 0.06, figures
+    assert 0.85 <= student["motion_ratio"] <= 1.15, figures
+    assert student["diversity_gap"] <= 2 * full["diversity_gap"], figures
+
+
 def load_teacher_parts(teacher: Path, prompts: list[str]) -> tuple:
     """(info, high-noise expert, low-noise expert, {prompt: embedding}) of a teacher on the CPU in
     float32; the embeddings cover `prompts` and the empty negative prompt."""
