@@ -25,7 +25,7 @@ PROMPTS = 144  # clip prompts scored: each of the 9 motions 16 times
 
 @pytest.fixture(scope="module")
 def clip_lora_run(toy_teacher, tmp_path_factory):
-    """docs/toy-world.md's LoRA run on clips, shortened from 300 steps to 200, on 432 of the prompts."""
+    """docs/toy-world.md's LoRA run on clips, shortened from 300 steps to 100, on 432 of the prompts."""
     out = tmp_path_factory.mktemp("toy_clip_lora")
     args = train_args(
         toy_teacher,
@@ -42,7 +42,7 @@ def clip_lora_run(toy_teacher, tmp_path_factory):
         num_frames=CLIP_FRAMES,
         teacher_sample_steps=2,  # the cached latents only feed the metrics (dmd inputs are simulated)
         batch_size=16,
-        num_steps=200,
+        num_steps=100,  # a fresh LoRA student is the teacher: the suite's time budget is the limit
         lr=None,  # the LoRA dmd defaults: 1e-4 for the adapters and the critic's, constant
         critic_updates=5,
         student_steps=4,
