@@ -82,10 +82,11 @@ toy-stage1-clips: $(STAMP)
 
 # The suite on both cores (pytest-xdist; the failure scenarios are rehearsed under load on purpose,
 # see distill/stress.py), then the error-handling scenarios as users run them, as a plain command.
+# Whole modules per worker, in the suite's own order (the `long` ones first: tests/conftest.py).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 	$(PY) test_error_handling.py
 
 lint: $(STAMP)

@@ -25,6 +25,14 @@ A14B_EXPERT = dict(
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules marked `long` run first: `make test` hands whole modules to its two workers
+    (--dist loadfile, so a module's expensive fixtures are built once), and the longest ones
+    started last would leave one worker alone at the end. The sort is stable: every module's
+    tests stay together and in order."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """For modules that train the toy models (`pytestmark = pytest.mark.usefixtures("one_thread")`):
@@ -112,38 +120,71 @@ def clip_prompt_file(folder: Path, count: int = 432) -> Path:
     return path
 
 
-def assert_clips_beat_the_teacher(
-    toy_teacher: Path,
-    prompts: list[str],
-    student: dict,
-    student_steps: int,
-    high,
-    low,  # noqa: ANN001
-) -> None:
-    """The bar a few-step student on clips must clear, against the toy teacher (its experts `high` and
-    `low`, its own guidance) on the same prompts and noise: at least 0.9x the teacher's full-step
-    accuracy, 0.06 above the teacher at the student's steps, motion ratio 0.85-1.15 (no slow motion,
-    no exaggerated motion) and at most twice the teacher's diversity gap."""
+@pytest.fixture(scope="session")
+def run_wide_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every pytest-xdist worker of this run shares (each worker's temporary folders lie
+    inside it): for results that cost a minute and do not depend on which test asks."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder = root / "shared-results"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def toy_teacher_clip_scores(toy_teacher: Path, run_wide_folder: Path):
+    """`scores(prompts, steps)`: the toy teacher's clip scores on `prompts` at `steps`, with its own
+    guidance and the scorer's fixed noise; computed once per suite run (under a lock, whichever
+    worker asks first) and read back by every other test that asks for the same ones. Every worker's
+    toy teacher is a copy of the same shipped one, so the result does not depend on who computed it."""
+    import hashlib
     import json
 
-    from distill.toy.evaluation import sample_pictures, score_pictures
+    from filelock import FileLock
+
+    from distill.toy.evaluation import load_experts, sample_pictures, score_pictures
     from distill.toy.world import CLIP_FRAMES
 
     world = json.loads((toy_teacher / "toy_world.json").read_text())
-    teacher = {}
-    for steps in (student_steps, world["sample_steps"]):
-        clips = sample_pictures(
-            toy_teacher,
-            prompts,
-            transformer=high,
-            transformer_2=low,
-            steps=steps,
-            guidance_scale=world["guidance_scale"],
-            guidance_scale_2=world["guidance_scale_2"],
-            num_frames=CLIP_FRAMES,
-        )
-        teacher[steps] = score_pictures(clips, prompts)
-    full, same_steps = teacher[world["sample_steps"]], teacher[student_steps]
+
+    def scores(prompts: list[str], steps: int) -> dict:
+        key = hashlib.sha256("\n".join([str(steps), *prompts]).encode()).hexdigest()[:16]
+        path = run_wide_folder / f"toy-teacher-clips-{key}.json"
+        with FileLock(f"{path}.lock"):
+            if not path.exists():
+                high, low = load_experts(toy_teacher)
+                clips = sample_pictures(
+                    toy_teacher,
+                    prompts,
+                    transformer=high,
+                    transformer_2=low,
+                    steps=steps,
+                    guidance_scale=world["guidance_scale"],
+                    guidance_scale_2=world["guidance_scale_2"],
+                    num_frames=CLIP_FRAMES,
+                )
+                path.write_text(json.dumps(score_pictures(clips, prompts)))
+            return json.loads(path.read_text())
+
+    return scores
+
+
+def assert_clips_beat_the_teacher(
+    teacher_scores,  # noqa: ANN001 - the toy_teacher_clip_scores fixture
+    prompts: list[str],
+    student: dict,
+    student_steps: int,
+    toy_teacher: Path,
+) -> None:
+    """The bar a few-step student on clips must clear, against the toy teacher (its own guidance) on
+    the same prompts and noise: at least 0.9x the teacher's full-step accuracy, 0.06 above the
+    teacher at the student's steps, motion ratio 0.85-1.15 (no slow motion, no exaggerated motion)
+    and at most twice the teacher's diversity gap."""
+    import json
+
+    full_steps = json.loads((toy_teacher / "toy_world.json").read_text())["sample_steps"]
+    full, same_steps = teacher_scores(prompts, full_steps), teacher_scores(prompts, student_steps)
     figures = {
         name: (r["accuracy"], r["motion_ratio"], r["diversity_gap"])
         for name, r in (("student", student), ("teacher, same steps", same_steps), ("teacher, full", full))

@@ -21,6 +21,8 @@ from distill.report.monitor import DEFAULT_SAMPLE_PROMPTS, SampleMonitor, Sample
 from distill.report.summary import evaluate_student
 from distill.train.trainer import Distiller
 
+pytestmark = pytest.mark.long  # a minute or more in all: scheduled first (conftest.py)
+
 CPU = torch.device("cpu")
 PROMPTS = read_prompts(DEFAULT_SAMPLE_PROMPTS)  # held out: never trained on
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

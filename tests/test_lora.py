@@ -33,6 +33,8 @@ from distill.models.tiny import build_tiny_pipeline
 from distill.train.trainer import Distiller
 from train_distillation import main
 
+pytestmark = pytest.mark.long  # a minute or more in all: scheduled first (conftest.py)
+
 BOUNDARY = 0.875
 
 

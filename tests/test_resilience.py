@@ -27,6 +27,8 @@ from distill.train import checkpoint as ckpt
 from distill.train.trainer import Distiller
 from train_distillation import main
 
+pytestmark = pytest.mark.long  # a minute or more in all: scheduled first (conftest.py)
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 

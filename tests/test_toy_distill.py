@@ -14,7 +14,7 @@ from distill.evaluate import main as evaluate_main
 from distill.toy.evaluation import eval_prompts, sample_pictures, score_pictures
 from distill.train.trainer import Distiller
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.long, pytest.mark.usefixtures("one_thread")]
 STEPS = 10  # sampler steps of the students in these tests
 
 
@@ -22,7 +22,8 @@ STEPS = 10  # sampler steps of the students in these tests
 def distilled(toy_teacher, tmp_path_factory):
     """A student distilled briefly from the toy teacher: velocity distillation at guidance 1, as
     stage 1 of the recipe learns it (the guided velocity is a harder target for a short run from
-    random weights: 1,200 steps of it left the mean attribute score 0.11 above chance, 0.27 at 1)."""
+    random weights). Measured, mean attribute score on the 48 prompts below: 0.51 after these 500
+    steps, 0.63 after 1,200 (0.26 untrained); the background is learnt first, then shape and colour."""
     out = tmp_path_factory.mktemp("toy_run")
     args = train_args(
         toy_teacher,
@@ -30,15 +31,16 @@ def distilled(toy_teacher, tmp_path_factory):
         out / "cache",
         student_config=REPO / "config" / "student_toy.json",
         data_path=REPO / "data" / "toy_prompts.txt",
+        max_prompts=None,  # all 216: on 8 of them 500 steps learnt the background and little else
         height=32,
         width=32,
         teacher_sample_steps=10,
         guidance_scale=1.0,
         guidance_scale_2=1.0,
         batch_size=16,
-        num_steps=1200,
+        num_steps=500,  # the suite's time budget: 1,200 steps cost 90 s more
         lr=5e-3,
-        lr_warmup_steps=50,
+        lr_warmup_steps=25,
         log_every=50,
     )
     Distiller(parse_config(args)).run()

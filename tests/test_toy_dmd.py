@@ -25,7 +25,7 @@ from distill.toy.stage_one import ASSET, RECIPE, TEACHER_REF
 from distill.toy.stage_one import main as stage_one_main
 from distill.train.trainer import Distiller
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.long, pytest.mark.usefixtures("one_thread")]
 STUDENT_STEPS = 4
 TEACHER_STEPS = 20  # the toy world's full step count (toy_world.json)
 # The students (4 steps, one forward each) on every prompt; the guided teacher, 20 steps at two

@@ -17,7 +17,7 @@ from distill.sample.student_folder import load_lora_student
 from distill.toy.evaluation import EVAL_PROMPTS, eval_prompts, sample_pictures, score_pictures
 from distill.train.trainer import Distiller
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.long, pytest.mark.usefixtures("one_thread")]
 TEACHER_PROMPTS = 96  # the teacher at 4 steps, the baseline; the student is scored on all 216
 
 
