@@ -97,7 +97,7 @@ def test_sigterm_saves_at_current_step_and_the_rerun_ends_bitwise_equal(tiny_tea
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-# SIGTERM on one of two ranks: tests/test_stress.py (sigterm_one_rank, three times, with its resume).
+# SIGTERM on one of two ranks: tests/test_stress.py (sigterm_one_rank, twice, with its resume).
 
 
 def test_kill9_of_one_worker_then_resume_auto_finishes(tiny_teacher, shared_cache, tmp_path):

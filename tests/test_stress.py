@@ -1,9 +1,12 @@
-"""Every failure that involves a signal or a second process, twice each, once on a quiet machine and
-once beside a CPU hog: the same exit codes and banners every time, and the checkpoint folder always
-resumes. The hog is one busy process: the suite itself keeps the other core busy (pytest -n 2).
+"""Every failure that involves a signal or a second process, beside a CPU hog: the same exit codes
+and banners every time, and the checkpoint folder always resumes. The hog is one busy process: the
+suite itself keeps the other core busy (pytest -n 2).
 
-`python -m distill.stress --runs N` is the long version of the same runs (its figures are in
-TORCHRUN_ERROR_FIXES.md); the suite keeps two of each to stay within its time budget.
+Four scenarios also run on a quiet machine in test_error_handling.py (a dead DataLoader worker, a
+hung rank, an exception and a SIGKILL on one rank), so here they run once, beside the hog; the two
+that run nowhere else (SIGTERM on one of two ranks, SIGKILL during a checkpoint save) run twice,
+once quiet and once beside the hog. `python -m distill.stress --runs N` is the long version of the
+same runs (its figures are in TORCHRUN_ERROR_FIXES.md).
 """
 
 from __future__ import annotations
@@ -14,7 +17,17 @@ from distill import stress
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
-RUNS = 2
+# (runs, which of them beside the hog)
+ALSO_IN_TEST_ERROR_HANDLING = (1, "always")
+ONLY_HERE = (2, "alternate")
+RUNS = {
+    "dead_worker": ALSO_IN_TEST_ERROR_HANDLING,
+    "sigterm_one_rank": ONLY_HERE,
+    "kill_one_rank": ALSO_IN_TEST_ERROR_HANDLING,
+    "hang_one_rank": ALSO_IN_TEST_ERROR_HANDLING,
+    "exception_one_rank": ALSO_IN_TEST_ERROR_HANDLING,
+    stress.CHECKPOINT_KILL: ONLY_HERE,
+}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +37,12 @@ def workdir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.parametrize("name", [*stress.SCENARIOS, stress.CHECKPOINT_KILL])
 def test_the_scenario_ends_the_same_way_every_time(workdir, name):
+    runs, hog = RUNS[name]
     report: list[str] = []
-    failures = stress.stress([name], RUNS, "alternate", workdir, say=report.append, hog_processes=1)
+    failures = stress.stress([name], runs, hog, workdir, say=report.append, hog_processes=1)
     assert failures == 0, "\n".join(report)
-    assert report[-1].startswith(f"{name}: {RUNS} of {RUNS} runs as expected")
+    assert report[-1].startswith(f"{name}: {runs} of {runs} runs as expected")
+
+
+def test_every_scenario_has_its_runs():
+    assert set(RUNS) == {*stress.SCENARIOS, stress.CHECKPOINT_KILL}
