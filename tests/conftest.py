@@ -164,7 +164,9 @@ def toy_teacher_clip_scores(toy_teacher: Path, run_wide_folder: Path):
                     guidance_scale_2=world["guidance_scale_2"],
                     num_frames=CLIP_FRAMES,
                 )
-                path.write_text(json.dumps(score_pictures(clips, prompts)))
+                staged = path.with_suffix(".partial")  # a worker killed mid-write leaves no half file
+                staged.write_text(json.dumps(score_pictures(clips, prompts)))
+                os.replace(staged, path)
             return json.loads(path.read_text())
 
     return scores
