@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -133,9 +134,9 @@ def run_wide_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def toy_teacher_clip_scores(toy_teacher: Path, run_wide_folder: Path):
-    """`scores(prompts, steps)`: the toy teacher's clip scores on `prompts` at `steps`, with its own
-    guidance and the scorer's fixed noise; computed once per suite run (under a lock, whichever
+def toy_teacher_clip_scores(toy_teacher: Path, run_wide_folder: Path) -> Callable[..., dict]:
+    """`scores(prompts, steps=None)`: the toy teacher's clip scores on `prompts` at `steps` (None: its
+    full step count), with its own guidance and the scorer's fixed noise; computed once per suite run (under a lock, whichever
     worker asks first) and read back by every other test that asks for the same ones. Every worker's
     toy teacher is a copy of the same shipped one, so the result does not depend on who computed it."""
     import hashlib
@@ -148,7 +149,8 @@ def toy_teacher_clip_scores(toy_teacher: Path, run_wide_folder: Path):
 
     world = json.loads((toy_teacher / "toy_world.json").read_text())
 
-    def scores(prompts: list[str], steps: int) -> dict:
+    def scores(prompts: list[str], steps: int | None = None) -> dict:
+        steps = steps or world["sample_steps"]
         key = hashlib.sha256("\n".join([str(steps), *prompts]).encode()).hexdigest()[:16]
         path = run_wide_folder / f"toy-teacher-clips-{key}.json"
         with FileLock(f"{path}.lock"):
@@ -173,20 +175,14 @@ def toy_teacher_clip_scores(toy_teacher: Path, run_wide_folder: Path):
 
 
 def assert_clips_beat_the_teacher(
-    teacher_scores,  # noqa: ANN001 - the toy_teacher_clip_scores fixture
-    prompts: list[str],
-    student: dict,
-    student_steps: int,
-    toy_teacher: Path,
+    teacher_scores: Callable[..., dict], prompts: list[str], student: dict, student_steps: int
 ) -> None:
     """The bar a few-step student on clips must clear, against the toy teacher (its own guidance) on
     the same prompts and noise: at least 0.9x the teacher's full-step accuracy, 0.06 above the
     teacher at the student's steps, motion ratio 0.85-1.15 (no slow motion, no exaggerated motion)
-    and at most twice the teacher's diversity gap."""
-    import json
-
-    full_steps = json.loads((toy_teacher / "toy_world.json").read_text())["sample_steps"]
-    full, same_steps = teacher_scores(prompts, full_steps), teacher_scores(prompts, student_steps)
+    and at most twice the teacher's diversity gap (`teacher_scores`: the toy_teacher_clip_scores
+    fixture)."""
+    full, same_steps = teacher_scores(prompts), teacher_scores(prompts, student_steps)
     figures = {
         name: (r["accuracy"], r["motion_ratio"], r["diversity_gap"])
         for name, r in (("student", student), ("teacher, same steps", same_steps), ("teacher, full", full))
