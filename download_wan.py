@@ -524,7 +524,7 @@ def write_toy(out_dir: Path, seed: int | None, overwrite: bool) -> int:
     """Copy the trained toy teacher into `out_dir` and say what it holds."""
     import json
 
-    from distill.toy.build import ASSETS, write_toy_teacher
+    from distill.toy.shipped import ASSETS, write_toy_teacher
     from distill.toy.world import WORLD_FILE
 
     shipped = (

@@ -62,7 +62,7 @@ def tiny_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def toy_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The trained toy Wan 2.2 teacher (assets/toy_teacher/, with toy_world.json), copied once per
     session. Shared: copy it before changing anything in it."""
-    from distill.toy.build import write_toy_teacher
+    from distill.toy.shipped import write_toy_teacher
 
     return write_toy_teacher(tmp_path_factory.mktemp("toy_teacher") / "teacher")
 

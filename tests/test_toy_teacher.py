@@ -9,11 +9,12 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
-from distill.toy.build import ASSETS, encode_texts
+from distill.toy.build import encode_texts
 from distill.toy.evaluation import eval_prompts
 from distill.toy.recipe import Recipe
 from distill.toy.render import render_batch
 from distill.toy.score import score, score_clips
+from distill.toy.shipped import ASSETS
 from distill.toy.text_padding import check_folding
 from distill.toy.vae_fit import clip_reconstruction_score, encode_pictures, encode_scenes, to_vae_input
 from distill.toy.world import WORLD_FILE, all_prompts, sample_scenes

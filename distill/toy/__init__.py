@@ -7,7 +7,8 @@ evaluation looks here, when the teacher folder holds `toy_world.json`.
 - `render`: draws a scene as a picture (what the teacher learned to produce)
 - `score`: reads a picture back (attributes, variations), accuracy and diversity gap
 - `build`: trains the two experts (`recipe`: its settings; `vae_fit`: the VAE first; `text_padding`:
-  short prompts at the cost of long ones); assembles a teacher folder from shipped weights
+  short prompts at the cost of long ones; `grow`: deeper, wider experts from trained ones)
+- `shipped`: the shipped teacher copied out as a teacher folder (seconds), staged folder writes
 - `evaluation`: samples teacher and student on the world's prompts and scores them (the report's
   toy entry is written by distill.report.toy_report)
 - `stage_one`: the command that retrains the shipped stage-1 student (`make toy-stage1`)

@@ -1,8 +1,11 @@
-"""Train the toy Wan 2.2 teacher on the toy world, and assemble teacher folders from its weights.
+"""Train the toy Wan 2.2 teacher on the toy world (`shipped` copies the trained one out as a teacher folder).
 
     python -m distill.toy.build --retrain          # refit everything into assets/toy_teacher/ (hours)
     python -m distill.toy.build --retrain --from assets/toy_teacher --vae_steps 0 --expert_steps 12000
                                                    # train the experts further on pictures and clips (~1 h)
+    python -m distill.toy.build --retrain --from assets/toy_teacher --vae_steps 0 --layers 6 --ffn_dim 512
+                                                   # the same with deeper, wider experts (`grow`: they
+                                                   # start out computing what the shipped ones do)
     python download_wan.py --toy outputs/toy-wan   # a teacher folder from the shipped weights (seconds)
 
 Trained like the real one, in miniature, at 32 x 32 pixels, on pictures (1 frame) AND clips
@@ -31,7 +34,6 @@ and adds log(count) to its attention logit, which gives exactly the attention ov
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -39,7 +41,6 @@ import string
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,9 @@ import torch
 
 from distill.ops.errors import DistillError, Stage, report
 from distill.toy import world
+from distill.toy.grow import expert_size, grow_expert
 from distill.toy.recipe import Recipe
+from distill.toy.shipped import ASSETS
 from distill.toy.text_padding import check_folding, fold_into, fold_padding, unfold_from
 from distill.toy.vae_fit import (
     GATE,
@@ -59,7 +62,6 @@ from distill.toy.vae_fit import (
     reconstruction_score,
 )
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets" / "toy_teacher"
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default, which the trainer uses too
 _METASPACE = "\u2581"
 
@@ -292,8 +294,17 @@ def train(
         vae_folder = Path(vae_from) / "vae" if (Path(vae_from) / "vae").is_dir() else Path(vae_from)
         parts["vae"] = AutoencoderKLWan.from_pretrained(vae_folder)
     if experts_from is not None:
-        for name in ("transformer", "transformer_2"):
-            parts[name] = WanTransformer3DModel.from_pretrained(Path(experts_from) / name)
+        for offset, name in enumerate(("transformer", "transformer_2")):
+            expert = WanTransformer3DModel.from_pretrained(Path(experts_from) / name)
+            if (expert.config.num_layers, expert.config.ffn_dim) != (recipe.layers, recipe.ffn_dim):
+                log(
+                    f"{name}: grown from {expert.config.num_layers} to {recipe.layers} layers, "
+                    f"ffn_dim {expert.config.ffn_dim} to {recipe.ffn_dim}"
+                )
+                expert = grow_expert(
+                    expert, recipe.layers, recipe.ffn_dim, seed=recipe.seed * 1000 + 3 + offset
+                )
+            parts[name] = expert
     if recipe.vae_steps > 0:
         fit_vae(parts["vae"], recipe, log)
         # The slowest part: kept beside the output, so a failure later does not cost it again.
@@ -384,58 +395,6 @@ def write_world_file(
     (folder / world.WORLD_FILE).write_text(json.dumps(description, indent=2) + "\n")
 
 
-def write_toy_teacher(out_dir: str | Path, *, overwrite: bool = False, source: Path = ASSETS) -> Path:
-    """Copy the trained toy teacher (shipped in assets/toy_teacher/) to `out_dir`: a Wan 2.2
-    T2V A14B teacher folder in the diffusers layout, plus toy_world.json. Takes about a second."""
-    out_dir = Path(out_dir).expanduser().absolute()
-    if not (source / world.WORLD_FILE).is_file():
-        raise DistillError(
-            f"The trained toy teacher is missing from {source}",
-            fixes=[
-                "Restore assets/toy_teacher/ from git, or rebuild it: python -m distill.toy.build --retrain"
-            ],
-            stage=Stage.SETUP,
-        )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DistillError(
-            "Cannot write the toy teacher",
-            f"{out_dir} exists and is a file, not a folder.",
-            fixes=["Choose another output folder."],
-            stage=Stage.SETUP,
-        )
-    if (
-        out_dir.is_dir()
-        and any(out_dir.iterdir())
-        and not overwrite
-        and not (out_dir / world.WORLD_FILE).is_file()
-    ):
-        raise DistillError(
-            "Refusing to overwrite a folder that is not a toy teacher",
-            f"{out_dir} is not empty and holds no {world.WORLD_FILE}.",
-            fixes=["Choose an empty or new folder.", "Pass --overwrite to replace it anyway."],
-            stage=Stage.SETUP,
-        )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with staged_folder(out_dir) as staging:
-        shutil.copytree(source, staging)
-    return out_dir
-
-
-@contextlib.contextmanager
-def staged_folder(dest: Path) -> Iterator[Path]:
-    """A not-yet-existing folder beside `dest` to build in; it replaces `dest` when the block ends
-    and is removed if the block fails, so `dest` is never half written."""
-    staging = dest.parent / f".{dest.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        yield staging
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(staging, dest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distill.toy.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--retrain", action="store_true", help="train the toy teacher again (minutes)")
@@ -456,6 +415,17 @@ def main(argv: list[str] | None = None) -> int:
         "--expert_clip_batch", type=int, default=Recipe.expert_clip_batch, help="clips per expert step"
     )
     parser.add_argument(
+        "--layers",
+        type=int,
+        help=f"blocks per expert (default: the --from teacher's, else {Recipe.layers}); "
+        "more than the --from teacher's grows its experts without changing their output",
+    )
+    parser.add_argument(
+        "--ffn_dim",
+        type=int,
+        help=f"feed-forward width of the experts (default: the --from teacher's, else {Recipe.ffn_dim})",
+    )
+    parser.add_argument(
         "--clip_frames", type=int, default=Recipe.clip_frames, help="frames of the clips; 0 = pictures only"
     )
     parser.add_argument(
@@ -468,16 +438,25 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if not args.retrain:
         parser.error("pass --retrain to train the toy teacher (it replaces the --output folder)")
-    recipe = Recipe(
-        seed=args.seed,
-        expert_steps=args.expert_steps,
-        vae_steps=args.vae_steps,
-        expert_lr=args.expert_lr,
-        expert_clip_batch=args.expert_clip_batch,
-        clip_frames=args.clip_frames,
-    )
     command = "python -m distill.toy.build " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
+        start = expert_size(Path(args.start_from)) if args.start_from else (Recipe.layers, Recipe.ffn_dim)
+        layers, ffn_dim = args.layers or start[0], args.ffn_dim or start[1]
+        if layers < start[0] or ffn_dim < start[1]:
+            parser.error(
+                f"--layers {layers} / --ffn_dim {ffn_dim}: the --from teacher's experts have {start[0]} "
+                f"layers and ffn_dim {start[1]}; they can grow, not shrink"
+            )
+        recipe = Recipe(
+            seed=args.seed,
+            layers=layers,
+            ffn_dim=ffn_dim,
+            expert_steps=args.expert_steps,
+            vae_steps=args.vae_steps,
+            expert_lr=args.expert_lr,
+            expert_clip_batch=args.expert_clip_batch,
+            clip_frames=args.clip_frames,
+        )
         path = train(
             recipe,
             Path(args.output),

@@ -69,7 +69,7 @@ def ship(student_dir: str | Path, dest: Path = ASSET) -> Path:
     """Copy an exported student to `dest` (atomically), naming the teacher as TEACHER_REF."""
     from distill.sample.model_card import write_model_card
     from distill.sample.run_settings import RUN_SETTINGS_FILE, read_run_settings, write_run_settings
-    from distill.toy.build import staged_folder
+    from distill.toy.shipped import staged_folder
 
     with staged_folder(dest) as staging:
         shutil.copytree(student_dir, staging)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from distill.config.cli import parse_config
     from distill.ops.errors import DistillError, Stage, report
-    from distill.toy.build import write_toy_teacher
+    from distill.toy.shipped import write_toy_teacher
     from distill.train.trainer import Distiller
 
     torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared machine

@@ -1,0 +1,68 @@
+"""The shipped toy teacher (assets/toy_teacher/): copied out as a teacher folder in a second, and
+the staged, all-or-nothing folder writes that copying and the stage-1 student's shipping share."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from distill.ops.errors import DistillError, Stage
+from distill.toy import world
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets" / "toy_teacher"
+
+
+def write_toy_teacher(out_dir: str | Path, *, overwrite: bool = False, source: Path = ASSETS) -> Path:
+    """Copy the trained toy teacher (shipped in assets/toy_teacher/) to `out_dir`: a Wan 2.2
+    T2V A14B teacher folder in the diffusers layout, plus toy_world.json. Takes about a second."""
+    out_dir = Path(out_dir).expanduser().absolute()
+    if not (source / world.WORLD_FILE).is_file():
+        raise DistillError(
+            f"The trained toy teacher is missing from {source}",
+            fixes=[
+                "Restore assets/toy_teacher/ from git, or rebuild it: python -m distill.toy.build --retrain"
+            ],
+            stage=Stage.SETUP,
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DistillError(
+            "Cannot write the toy teacher",
+            f"{out_dir} exists and is a file, not a folder.",
+            fixes=["Choose another output folder."],
+            stage=Stage.SETUP,
+        )
+    if (
+        out_dir.is_dir()
+        and any(out_dir.iterdir())
+        and not overwrite
+        and not (out_dir / world.WORLD_FILE).is_file()
+    ):
+        raise DistillError(
+            "Refusing to overwrite a folder that is not a toy teacher",
+            f"{out_dir} is not empty and holds no {world.WORLD_FILE}.",
+            fixes=["Choose an empty or new folder.", "Pass --overwrite to replace it anyway."],
+            stage=Stage.SETUP,
+        )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with staged_folder(out_dir) as staging:
+        shutil.copytree(source, staging)
+    return out_dir
+
+
+@contextlib.contextmanager
+def staged_folder(dest: Path) -> Iterator[Path]:
+    """A not-yet-existing folder beside `dest` to build in; it replaces `dest` when the block ends
+    and is removed if the block fails, so `dest` is never half written."""
+    staging = dest.parent / f".{dest.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        yield staging
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
