@@ -49,7 +49,24 @@ def test_the_build_names_the_setting_when_asked_to_shrink_or_given_no_teacher(tm
         main(["--retrain", "--from", str(ASSETS), "--layers", "2", "--output", str(tmp_path / "t")])
     assert stopped.value.code == 2
     assert "--layers 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--retrain", "--from", str(ASSETS), "--spatial_patch", "1", "--output", str(tmp_path / "t")])
+    assert "--spatial_patch 1" in capsys.readouterr().err
     assert main(["--retrain", "--from", str(tmp_path / "nowhere"), "--output", str(tmp_path / "t")]) != 0
     message = capsys.readouterr().err
     assert "--from" in message and "nowhere" in message
     assert not (tmp_path / "t").exists()
+
+
+def test_experts_with_a_token_per_latent_pixel():
+    from distill.toy.build import build_components
+    from distill.toy.recipe import Recipe
+
+    expert = build_components(Recipe(spatial_patch=1))["transformer"]
+    assert tuple(expert.config.patch_size) == (1, 1, 1)
+    grown = grow_expert(expert, num_layers=4, ffn_dim=256)
+    assert tuple(grown.config.patch_size) == (1, 1, 1)
+    latents = torch.randn(2, 16, 3, 4, 4)
+    with torch.no_grad():
+        out = grown(latents, torch.tensor([10.0, 900.0]), torch.randn(2, 8, 32), return_dict=False)[0]
+    assert out.shape == latents.shape

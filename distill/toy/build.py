@@ -49,7 +49,7 @@ import torch
 
 from distill.ops.errors import DistillError, Stage, report
 from distill.toy import world
-from distill.toy.grow import expert_size, grow_expert
+from distill.toy.grow import expert_shape, grow_expert
 from distill.toy.recipe import Recipe
 from distill.toy.shipped import ASSETS
 from distill.toy.text_padding import check_folding, fold_into, fold_padding, unfold_from
@@ -118,7 +118,7 @@ def build_components(recipe: Recipe) -> dict[str, Any]:
 
     def expert() -> Any:
         return WanTransformer3DModel(
-            patch_size=(1, 2, 2),
+            patch_size=(1, recipe.spatial_patch, recipe.spatial_patch),
             num_attention_heads=recipe.heads,
             attention_head_dim=recipe.head_dim,
             in_channels=16,
@@ -426,6 +426,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"feed-forward width of the experts (default: the --from teacher's, else {Recipe.ffn_dim})",
     )
     parser.add_argument(
+        "--spatial_patch",
+        type=int,
+        choices=(1, 2),
+        help=f"height and width of the experts' patches (default: the --from teacher's, else "
+        f"{Recipe.spatial_patch}); 1 gives each latent pixel its own token",
+    )
+    parser.add_argument(
         "--clip_frames", type=int, default=Recipe.clip_frames, help="frames of the clips; 0 = pictures only"
     )
     parser.add_argument(
@@ -440,17 +447,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("pass --retrain to train the toy teacher (it replaces the --output folder)")
     command = "python -m distill.toy.build " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
-        start = expert_size(Path(args.start_from)) if args.start_from else (Recipe.layers, Recipe.ffn_dim)
-        layers, ffn_dim = args.layers or start[0], args.ffn_dim or start[1]
-        if layers < start[0] or ffn_dim < start[1]:
+        for flag in ("layers", "ffn_dim"):
+            if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                parser.error(f"--{flag} {getattr(args, flag)}: give a positive number")
+        start = expert_shape(Path(args.start_from)) if args.start_from else {}
+        layers = args.layers or start.get("layers", Recipe.layers)
+        ffn_dim = args.ffn_dim or start.get("ffn_dim", Recipe.ffn_dim)
+        patch = args.spatial_patch or start.get("spatial_patch", Recipe.spatial_patch)
+        if layers < start.get("layers", 0) or ffn_dim < start.get("ffn_dim", 0):
             parser.error(
-                f"--layers {layers} / --ffn_dim {ffn_dim}: the --from teacher's experts have {start[0]} "
-                f"layers and ffn_dim {start[1]}; they can grow, not shrink"
+                f"--layers {layers} / --ffn_dim {ffn_dim}: the --from teacher's experts have {start['layers']} "
+                f"layers and ffn_dim {start['ffn_dim']}; they can grow, not shrink"
+            )
+        if patch != start.get("spatial_patch", patch):
+            parser.error(
+                f"--spatial_patch {patch}: the --from teacher's experts were trained on patches of "
+                f"{start['spatial_patch']}; leave --spatial_patch out, or train new experts (no --from; "
+                "--vae_from keeps the VAE)"
             )
         recipe = Recipe(
             seed=args.seed,
             layers=layers,
             ffn_dim=ffn_dim,
+            spatial_patch=patch,
             expert_steps=args.expert_steps,
             vae_steps=args.vae_steps,
             expert_lr=args.expert_lr,

@@ -68,13 +68,17 @@ def grow_expert(expert: Any, num_layers: int, ffn_dim: int, seed: int = 0) -> An
     return grown.to(next(expert.parameters()).dtype)
 
 
-def expert_size(teacher: Path) -> tuple[int, int]:
-    """(num_layers, ffn_dim) of a teacher folder's high-noise expert."""
+def expert_shape(teacher: Path) -> dict[str, int]:
+    """The Recipe fields a teacher folder's trained experts fix: `layers`, `ffn_dim`, `spatial_patch`."""
     config = teacher / "transformer" / "config.json"
     try:
         settings = json.loads(config.read_text())
-        return int(settings["num_layers"]), int(settings["ffn_dim"])
-    except (OSError, ValueError, KeyError) as error:
+        return {
+            "layers": int(settings["num_layers"]),
+            "ffn_dim": int(settings["ffn_dim"]),
+            "spatial_patch": int(settings["patch_size"][1]),
+        }
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as error:
         raise DistillError(
             "--from is not a toy teacher folder",
             f"{config} could not be read ({error}).",

@@ -40,6 +40,8 @@ class Recipe:
     head_dim: int = 48
     ffn_dim: int = 256
     layers: int = 3
+    spatial_patch: int = 2
+    """Height and width of the experts' patches, as Wan's (1, 2, 2); 1 = a token per latent pixel."""
     text_dim: int = 32
     guidance_scale: float = 4.0
     guidance_scale_2: float = 3.0
