@@ -117,7 +117,17 @@ def _check_hang(outcome: Outcome) -> list[str]:
     )
     if 11 not in outcome.rank_exit_codes():
         problems.append(f"rank exit codes {outcome.rank_exit_codes()}: no rank exited 11 (STALLED)")
+    # The rank that only waited says so: its own stall report, or, when the hung rank's exit
+    # reaches it first, that it is a secondary failure.
+    if not any(text in outcome.stderr for text in WAITING_RANK_REPORTS):
+        problems.append("rank 0 printed neither its stall report nor the secondary-failure report")
     return problems
+
+
+WAITING_RANK_REPORTS = (
+    "[Rank 0]   It waits inside a collective",
+    "[Rank 0] ERROR (training): lost contact with another rank",
+)
 
 
 def _check_exception(outcome: Outcome) -> list[str]:

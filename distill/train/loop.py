@@ -451,7 +451,7 @@ class TrainingLoop:
             monitor.start(self.teacher.high, self.teacher.low, self.dataset.embeddings, self.negative),
         )
         try:
-            with StopRequest() as stop:
+            with StopRequest(hold_on_failure=dist_utils.launched_by_torchrun()) as stop:
                 while self.step < self.total_steps:
                     _, stepped, stop_now = self.train_step(batches, stop)
                     tracker.advance()

@@ -13,8 +13,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 class StopRequest:
     """Remembers a preemption signal so every rank can stop together at the next step boundary."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_on_failure: bool = False) -> None:
         self.signal_name: str | None = None
+        self.hold_on_failure = hold_on_failure
         self._previous: dict[int, Any] = {}
         self._held = False
 
@@ -40,8 +41,15 @@ class StopRequest:
         for sig in self._previous:
             signal.signal(sig, signal.SIG_IGN)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: Any) -> None:
         if self._held:
+            return
+        if self.hold_on_failure and exc_type is not None and issubclass(exc_type, Exception):
+            # A failure is on its way to its banner. Under torchrun, the first rank to exit makes
+            # the agent SIGTERM the others at once: a rank that only lost its peer (a secondary
+            # failure) would die of that signal, silently, between here and its own report.
+            # torchrun's SIGKILL after --shutdown-timeout still ends a rank that never gets there.
+            self.hold()
             return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
