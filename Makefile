@@ -23,7 +23,7 @@ $(STAMP): requirements.txt
 
 # The product's headline on the toy teacher (trained on a synthetic world, real Wan 2.2 layout;
 # shipped in assets/toy_teacher/): stage 2 of the two-stage recipe, dmd from the shipped stage-1
-# student (assets/toy_student_stage1/; stage 1 takes ~17 min, a 700-step stage 1 left dmd at 0.04),
+# student (assets/toy_student_stage1/; stage 1 takes ~16 min, a 700-step stage 1 left dmd at 0.04),
 # into a 4-step student. Then the report (eval.json, eval.png: the toy world's scores of the
 # teacher at 20 and at 4 steps and of the student) and the summary: a table in the terminal and
 # outputs/demo/summary.png. About 2.5 min on 2 CPU cores.
@@ -65,18 +65,18 @@ demo-clips: $(STAMP)
 		--height 32 --width 32 --num_frames 9 \
 		--teacher_sample_steps 20 \
 		--batch_size 16 --num_steps 300 --student_steps 4 --critic_updates 5 \
-		--lr 3e-5 --critic_lr 3e-4 --lr_scheduler cosine \
+		--lr 3e-4 --critic_lr 3e-4 --lr_scheduler cosine \
 		--log_every 50 --checkpoint_every 0 --seed $(SEED) \
 		--save_samples --sample_interval 300 --sample_steps 20 --sample_prompts data/toy_video_sample_prompts.txt
 	$(DEMO_ENV) $(PY) -m distill.evaluate --student $(CLIPS_OUT)/student \
 		--prompts data/toy_video_sample_prompts.txt --output_dir $(CLIPS_OUT)/eval
 
 # Retrains the shipped stage-1 toy student (assets/toy_student_stage1/, where the dmd test and the
-# README's toy stage 2 start): velocity distillation at guidance 1, 6,000 steps, ~17 min on one core.
+# README's toy stage 2 start): velocity distillation at guidance 1, 6,000 steps, ~16 min on one core.
 toy-stage1: $(STAMP)
 	$(PY) -m distill.toy.stage_one --retrain
 
-# The same stage 1 on the moving world's clips (assets/toy_student_clips_stage1/; ~15 min on one core).
+# The same stage 1 on the moving world's clips (assets/toy_student_clips_stage1/; ~20 min on one core).
 toy-stage1-clips: $(STAMP)
 	$(PY) -m distill.toy.stage_one --retrain --clips
 

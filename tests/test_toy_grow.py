@@ -50,8 +50,8 @@ def test_the_build_names_the_setting_when_asked_to_shrink_or_given_no_teacher(tm
     assert stopped.value.code == 2
     assert "--layers 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["--retrain", "--from", str(ASSETS), "--spatial_patch", "1", "--output", str(tmp_path / "t")])
-    assert "--spatial_patch 1" in capsys.readouterr().err
+        main(["--retrain", "--from", str(ASSETS), "--spatial_patch", "2", "--output", str(tmp_path / "t")])
+    assert "--spatial_patch 2" in capsys.readouterr().err
     assert main(["--retrain", "--from", str(tmp_path / "nowhere"), "--output", str(tmp_path / "t")]) != 0
     message = capsys.readouterr().err
     assert "--from" in message and "nowhere" in message

@@ -69,7 +69,7 @@ def test_a_four_step_lora_of_the_teachers_experts_beats_the_teacher_at_four_step
         ),
         some,
     )
-    # measured: LoRA 0.995 after 300 steps; the teacher 1.00 at 20 steps and 0.66 at 4
+    # measured: LoRA 0.96 after 300 steps; the teacher 1.00 at 20 steps and 0.54 at 4
     assert lora["accuracy"] >= 0.9, lora
     assert lora["accuracy"] > teacher_4["accuracy"] + 0.15, (lora["accuracy"], teacher_4["accuracy"])
 

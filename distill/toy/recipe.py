@@ -40,8 +40,10 @@ class Recipe:
     head_dim: int = 48
     ffn_dim: int = 256
     layers: int = 3
-    spatial_patch: int = 2
-    """Height and width of the experts' patches, as Wan's (1, 2, 2); 1 = a token per latent pixel."""
+    spatial_patch: int = 1
+    """Height and width of the experts' patches: 1 = a token per latent pixel (the shipped teacher's:
+    a slow clip's whole travel is under one latent pixel, and in Wan's 2 x 2 patches it hid inside
+    one token); 2 = Wan's own (1, 2, 2)."""
     text_dim: int = 32
     guidance_scale: float = 4.0
     guidance_scale_2: float = 3.0

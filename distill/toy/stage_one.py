@@ -1,7 +1,7 @@
 """The shipped stage-1 toy student: where the toy two-stage recipe's dmd stage starts.
 
 Stage 1 of the recipe (README, "Fewer steps too") is velocity distillation of the toy teacher at
-guidance 1 into `config/student_toy_3layer.json`: 6,000 steps, about 17 minutes on one core. The
+guidance 1 into `config/student_toy_3layer.json`: 6,000 steps, about 16 minutes on one core. The
 dmd test and the README's toy commands start stage 2 from this student instead of training it
 again, the way the toy teacher itself is shipped. Rebuild it with
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m distill.toy.stage_one", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--retrain", action="store_true", help="train stage 1 again (~17 min) and ship it")
+    parser.add_argument("--retrain", action="store_true", help="train stage 1 again (~16 min) and ship it")
     parser.add_argument("--clips", action="store_true", help="the moving world's stage 1 (CLIP_RECIPE)")
     parser.add_argument("--work_dir", help="where the run itself goes (default outputs/toy-stage1[-clips])")
     parser.add_argument("--output", help=f"where the student is shipped (default {ASSET} or {CLIP_ASSET})")
