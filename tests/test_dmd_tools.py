@@ -56,8 +56,8 @@ def teacher(tiny_teacher):
     return load_teacher_parts(tiny_teacher, PROMPTS)
 
 
-def tiny_student(info, seed: int = 0) -> torch.nn.Module:
-    config = load_student_config(REPO / "config" / "student_tiny.json", info.expert_config)
+def tiny_student(info, seed: int = 0, config_name: str = "student_tiny.json") -> torch.nn.Module:
+    config = load_student_config(REPO / "config" / config_name, info.expert_config)
     return build_student(config, seed=seed).eval()
 
 
@@ -240,7 +240,7 @@ def test_toy_scores_of_a_dmd_student_use_its_k_step_scheduler(toy_teacher, tmp_p
         student_steps=4,
         student_scheduler={"_class_name": type(scheduler).__name__, **dict(scheduler.config)},
     )
-    student = tiny_student(info)
+    student = tiny_student(info, config_name="student_toy.json")  # the toy teacher's patch grid
     log = TimestepLog(student)
     # 4 of the world's prompts keep this test short
     result = add_toy_report({"denoiser": None}, toy_teacher, student, high, low, settings, tmp_path, count=4)
