@@ -117,6 +117,21 @@ def test_folded_padding_equals_the_full_512_token_prompt(toy_teacher):
     assert check_folding(expert, table, lengths) < 1e-4
 
 
+def test_prompts_encoded_in_chunks_equal_one_call(toy_teacher, monkeypatch):
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    from distill.toy import build
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_teacher / "tokenizer")
+    encoder = UMT5EncoderModel.from_pretrained(toy_teacher / "text_encoder").eval()
+    prompts = [*all_prompts()[:6], ""]
+    whole = encode_texts(tokenizer, encoder, prompts)
+    monkeypatch.setattr(build, "TEXT_CHUNK", 3)  # chunks of 3, 3 and 1, in order
+    chunked = encode_texts(tokenizer, encoder, prompts)
+    assert chunked.shape == whole.shape == (7, build.MAX_SEQUENCE_LENGTH, encoder.config.d_model)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("unknown", ["a purple bar in the top left on a black background"])
 def test_tokenizer_still_encodes_text_outside_the_grammar(toy_teacher, unknown):
     from transformers import AutoTokenizer
