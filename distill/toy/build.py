@@ -6,6 +6,9 @@
     python -m distill.toy.build --retrain --from assets/toy_teacher --vae_steps 0 --layers 6 --ffn_dim 512
                                                    # the same with deeper, wider experts (`grow`: they
                                                    # start out computing what the shipped ones do)
+    python -m distill.toy.build --retrain --from assets/toy_teacher --vae_steps 0 --train_experts low \
+        --low_focus 0.5                            # only the low-noise expert, half its samples where
+                                                   # a clip's speed is decided (sigma >= 0.45)
     python download_wan.py --toy outputs/toy-wan   # a teacher folder from the shipped weights (seconds)
 
 Trained like the real one, in miniature, at 32 x 32 pixels, on pictures (1 frame) AND clips
@@ -39,7 +42,6 @@ import os
 import shutil
 import string
 import sys
-import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -49,10 +51,11 @@ import torch
 
 from distill.ops.errors import DistillError, Stage, report
 from distill.toy import world
+from distill.toy.expert_training import FOCUS_SIGMA, train_experts
 from distill.toy.grow import expert_shape, grow_expert
 from distill.toy.recipe import Recipe
 from distill.toy.shipped import ASSETS
-from distill.toy.text_padding import check_folding, fold_into, fold_padding, unfold_from
+from distill.toy.text_padding import check_folding, fold_padding
 from distill.toy.vae_fit import (
     GATE,
     clip_reconstruction_score,
@@ -205,83 +208,6 @@ def encode_texts(tokenizer: Any, text_encoder: Any, prompts: list[str]) -> torch
 
 
 # ---------------------------------------------------------------------------------------------
-# The experts
-# ---------------------------------------------------------------------------------------------
-
-
-def shifted_sigma(u: torch.Tensor, shift: float) -> torch.Tensor:
-    """The scheduler's time shift: sigma = shift u / (1 + (shift - 1) u)."""
-    return shift * u / (1.0 + (shift - 1.0) * u)
-
-
-def unshifted(sigma: float, shift: float) -> float:
-    return sigma / (shift - (shift - 1.0) * sigma)
-
-
-def train_experts(
-    high: Any,
-    low: Any,
-    data: list[tuple[torch.Tensor, torch.Tensor, int]],
-    text: tuple[torch.Tensor, torch.Tensor],
-    recipe: Recipe,
-    log: Any = print,
-) -> None:
-    """Flow matching of both experts on each (latents (N, C, T, h, w), prompt ids (N,) into the
-    folded text table `text` (whose last row is the empty prompt), batch) of `data` every step:
-    pictures and clips side by side, as Wan trains on both."""
-    short, bias = text
-    empty = short.shape[0] - 1
-    generator = torch.Generator().manual_seed(recipe.seed * 31 + 5)
-    b = recipe.boundary_ratio
-    ranges = {
-        "high": (unshifted(b - recipe.expert_overlap, recipe.flow_shift), 1.0),
-        "low": (0.0, unshifted(b + recipe.expert_overlap, recipe.flow_shift)),
-    }
-    experts = {"high": high, "low": low}
-    processors = {name: fold_into(model.train()) for name, model in experts.items()}
-    params = [p for model in experts.values() for p in model.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=recipe.expert_lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, recipe.expert_lr, total_steps=recipe.expert_steps, pct_start=0.05
-    )
-    start = time.perf_counter()
-    try:
-        for step in range(recipe.expert_steps):
-            losses = {}
-            for name, model in experts.items():
-                losses[name] = torch.zeros(())
-                for latents, prompt_ids, batch in data:
-                    index = torch.randint(0, len(latents), (batch,), generator=generator)
-                    x0 = latents[index]
-                    noise = torch.randn(x0.shape, generator=generator)
-                    lo, hi = ranges[name]
-                    sigma = shifted_sigma(
-                        lo + (hi - lo) * torch.rand(len(index), generator=generator), recipe.flow_shift
-                    )
-                    s = sigma.view(-1, 1, 1, 1, 1)
-                    x_t = (1.0 - s) * x0 + s * noise
-                    ids = prompt_ids[index].clone()
-                    ids[torch.rand(len(ids), generator=generator) < recipe.text_dropout] = empty
-                    processors[name].bias = bias[ids]
-                    v = model(x_t, sigma * 1000.0, short[ids], return_dict=False)[0]
-                    losses[name] = losses[name] + (v - (noise - x0)).pow(2).mean()
-            optimizer.zero_grad(set_to_none=True)
-            sum(losses.values()).backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            schedule.step()
-            if step % 250 == 0 or step == recipe.expert_steps - 1:
-                log(
-                    f"experts step {step:5d}  loss high {losses['high'].item():.4f}  low {losses['low'].item():.4f}"
-                    f"  ({time.perf_counter() - start:.0f} s)"
-                )
-    finally:
-        for model in experts.values():
-            unfold_from(model)
-            model.eval().requires_grad_(False)
-
-
-# ---------------------------------------------------------------------------------------------
 # The whole build
 # ---------------------------------------------------------------------------------------------
 
@@ -424,6 +350,21 @@ def main(argv: list[str] | None = None) -> int:
         "--expert_clip_batch", type=int, default=Recipe.expert_clip_batch, help="clips per expert step"
     )
     parser.add_argument(
+        "--expert_batch", type=int, default=Recipe.expert_batch, help="pictures per expert step"
+    )
+    parser.add_argument(
+        "--train_experts",
+        default=",".join(Recipe.trained_experts),
+        help="which experts train: high,low (both), high or low; with --from the others stay as they are",
+    )
+    parser.add_argument(
+        "--low_focus",
+        type=float,
+        default=Recipe.low_focus,
+        help=f"fraction of the low-noise expert's samples drawn from sigma >= {FOCUS_SIGMA}, where a "
+        "clip's speed is decided (0 = its whole range evenly)",
+    )
+    parser.add_argument(
         "--layers",
         type=int,
         help=f"blocks per expert (default: the --from teacher's, else {Recipe.layers}); "
@@ -459,6 +400,16 @@ def main(argv: list[str] | None = None) -> int:
         for flag in ("layers", "ffn_dim"):
             if getattr(args, flag) is not None and getattr(args, flag) < 1:
                 parser.error(f"--{flag} {getattr(args, flag)}: give a positive number")
+        trained = tuple(name.strip() for name in args.train_experts.split(",") if name.strip())
+        if not trained or set(trained) - {"high", "low"} or len(set(trained)) != len(trained):
+            parser.error(f"--train_experts {args.train_experts!r}: give high,low (both), high or low")
+        if len(trained) < 2 and not args.start_from:
+            parser.error(
+                f"--train_experts {args.train_experts}: the other expert would stay untrained; "
+                "give --from a trained teacher, or train both"
+            )
+        if not 0.0 <= args.low_focus <= 1.0:
+            parser.error(f"--low_focus {args.low_focus}: give a fraction between 0 and 1")
         start = expert_shape(Path(args.start_from)) if args.start_from else {}
         layers = args.layers or start.get("layers", Recipe.layers)
         ffn_dim = args.ffn_dim or start.get("ffn_dim", Recipe.ffn_dim)
@@ -483,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
             vae_steps=args.vae_steps,
             expert_lr=args.expert_lr,
             expert_clip_batch=args.expert_clip_batch,
+            expert_batch=args.expert_batch,
+            trained_experts=trained,
+            low_focus=args.low_focus,
             clip_frames=args.clip_frames,
         )
         path = train(

@@ -32,6 +32,13 @@ class Recipe:
     """Clips per expert step, beside expert_batch pictures."""
     expert_steps: int = 8000
     expert_batch: int = 128
+    """Pictures per expert step."""
+    trained_experts: tuple[str, ...] = ("high", "low")
+    """Which experts train ("high", "low"); the others keep the --from teacher's weights."""
+    low_focus: float = 0.0
+    """Fraction of the low-noise expert's samples drawn from sigma in [FOCUS_SIGMA, its top]: where a
+    clip's speed is decided (sampling from the world's own clips noised to sigma 0.67 and 0.43 came
+    out 1.14x and 1.05x too fast: the low expert sets the speed there, not the high one)."""
     expert_lr: float = 1e-3
     text_dropout: float = 0.15
     expert_overlap: float = 0.03
