@@ -38,7 +38,8 @@ class Recipe:
     low_focus: float = 0.0
     """Fraction of the low-noise expert's samples drawn from sigma in [FOCUS_SIGMA, its top]: where a
     clip's speed is decided (sampling from the world's own clips noised to sigma 0.67 and 0.43 came
-    out 1.14x and 1.05x too fast: the low expert sets the speed there, not the high one)."""
+    out 1.14x and 1.05x too fast: the low expert sets the speed there, not the high one). Measured on
+5-layer experts: +0.01 on clips at most, within sampling noise; the depth was what helped."""
     expert_lr: float = 1e-3
     text_dropout: float = 0.15
     expert_overlap: float = 0.03
