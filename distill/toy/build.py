@@ -6,9 +6,9 @@
     python -m distill.toy.build --retrain --from assets/toy_teacher --vae_steps 0 --layers 6 --ffn_dim 512
                                                    # the same with deeper, wider experts (`grow`: they
                                                    # start out computing what the shipped ones do)
-    python -m distill.toy.build --retrain --from assets/toy_teacher --vae_steps 0 --train_experts low \
-        --low_focus 0.5                            # only the low-noise expert, half its samples where
-                                                   # a clip's speed is decided (sigma >= 0.45)
+    python -m distill.toy.build --retrain --from assets/toy_teacher --vae_steps 0 --layers 5 \
+        --train_experts low                        # only the low-noise expert trains (it sets a clip's
+                                                   # speed); the high-noise one keeps its output
     python download_wan.py --toy outputs/toy-wan   # a teacher folder from the shipped weights (seconds)
 
 Trained like the real one, in miniature, at 32 x 32 pixels, on pictures (1 frame) AND clips
