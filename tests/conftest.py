@@ -145,9 +145,10 @@ def toy_teacher_clip_scores(toy_teacher: Path, run_wide_folder: Path) -> Callabl
     from filelock import FileLock
 
     from distill.toy.evaluation import load_experts, sample_pictures, score_pictures
-    from distill.toy.world import CLIP_FRAMES
+    from distill.toy.world import CLIP_FRAMES, guidance_of
 
     world = json.loads((toy_teacher / "toy_world.json").read_text())
+    guidance = guidance_of(world, clips=True)
 
     def scores(prompts: list[str], steps: int | None = None) -> dict:
         steps = steps or world["sample_steps"]
@@ -162,8 +163,8 @@ def toy_teacher_clip_scores(toy_teacher: Path, run_wide_folder: Path) -> Callabl
                     transformer=high,
                     transformer_2=low,
                     steps=steps,
-                    guidance_scale=world["guidance_scale"],
-                    guidance_scale_2=world["guidance_scale_2"],
+                    guidance_scale=guidance[0],
+                    guidance_scale_2=guidance[1],
                     num_frames=CLIP_FRAMES,
                 )
                 staged = path.with_suffix(".partial")  # a worker killed mid-write leaves no half file
@@ -174,23 +175,40 @@ def toy_teacher_clip_scores(toy_teacher: Path, run_wide_folder: Path) -> Callabl
     return scores
 
 
-def assert_clips_beat_the_teacher(
-    teacher_scores: Callable[..., dict], prompts: list[str], student: dict, student_steps: int
+def clip_guidance(teacher: Path) -> dict[str, float]:
+    """The toy teacher's own guidance on clips, as train_args overrides (a dmd run's real score)."""
+    import json
+
+    from distill.toy.world import guidance_of
+
+    high, low = guidance_of(json.loads((teacher / "toy_world.json").read_text()), clips=True)
+    return {"guidance_scale": high, "guidance_scale_2": low}
+
+
+def assert_clips_keep_up_with_the_teacher(
+    teacher_scores: Callable[..., dict], prompts: list[str], student: dict, student_at_one_step: dict
 ) -> None:
-    """The bar a few-step student on clips must clear, against the toy teacher (its own guidance) on
-    the same prompts and noise: at least 0.9x the teacher's full-step accuracy, 0.06 above the
-    teacher at the student's steps, motion ratio 0.85-1.15 (no slow motion, no exaggerated motion)
-    and at most twice the teacher's diversity gap (`teacher_scores`: the toy_teacher_clip_scores
-    fixture)."""
-    full, same_steps = teacher_scores(prompts), teacher_scores(prompts, student_steps)
+    """The bar a few-step student on clips must clear, against the toy teacher (its own clip
+    guidance) on the same prompts and noise: at least 0.9x the teacher's full-step accuracy, motion
+    ratio 0.85-1.15 (no slow motion, no exaggerated motion), at most twice the teacher's diversity
+    gap, and at one step 0.3 above the teacher at one step (`teacher_scores`: the
+    toy_teacher_clip_scores fixture). Not asserted: beating the teacher at the student's 4 steps. At
+    its clip guidance the toy teacher is as good at 4 steps as at 20 (0.92 / 0.91): the toy clips
+    show no cost of 4 steps for a student to win back (docs/toy-world.md)."""
+    full, one_step = teacher_scores(prompts), teacher_scores(prompts, 1)
     figures = {
         name: (r["accuracy"], r["motion_ratio"], r["diversity_gap"])
-        for name, r in (("student", student), ("teacher, same steps", same_steps), ("teacher, full", full))
+        for name, r in (
+            ("student", student),
+            ("student, one step", student_at_one_step),
+            ("teacher, full", full),
+            ("teacher, one step", one_step),
+        )
     }
     assert student["accuracy"] >= 0.9 * full["accuracy"], figures
-    assert student["accuracy"] >= same_steps["accuracy"] + 0.06, figures
     assert 0.85 <= student["motion_ratio"] <= 1.15, figures
     assert student["diversity_gap"] <= 2 * full["diversity_gap"], figures
+    assert student_at_one_step["accuracy"] >= one_step["accuracy"] + 0.3, figures
 
 
 def load_teacher_parts(teacher: Path, prompts: list[str]) -> tuple:

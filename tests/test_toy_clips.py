@@ -217,3 +217,13 @@ def test_the_teacher_build_stops_when_its_vae_loses_the_motion(tmp_path):
         train(Recipe(vae_steps=0, expert_steps=1), tmp_path / "teacher", log=lambda line: None)
     assert "--vae_steps" in str(caught.value.fixes)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_teacher_samples_clips_at_its_own_clip_guidance() -> None:
+    from distill.toy.world import guidance_of
+
+    description = {"guidance_scale": 4.0, "guidance_scale_2": 3.0}
+    assert guidance_of(description) == guidance_of(description, clips=True) == (4.0, 3.0)  # an older teacher
+    description |= {"clip_guidance_scale": 3.0, "clip_guidance_scale_2": 1.5}
+    assert guidance_of(description) == (4.0, 3.0)
+    assert guidance_of(description, clips=True) == (3.0, 1.5)

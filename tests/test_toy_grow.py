@@ -70,3 +70,38 @@ def test_experts_with_a_token_per_latent_pixel():
     with torch.no_grad():
         out = grown(latents, torch.tensor([10.0, 900.0]), torch.randn(2, 8, 32), return_dict=False)[0]
     assert out.shape == latents.shape
+
+
+def test_only_the_experts_that_train_grow_and_the_default_keeps_the_deepest(tmp_path, capsys):
+    from dataclasses import replace
+
+    from distill.toy.build import experts_to_train_from, trained_shape
+    from distill.toy.recipe import Recipe
+
+    shapes = {name: trained_shape(ASSETS, (name,))["layers"] for name in ("high", "low")}
+    grown = shapes["low"] + 1
+    recipe = replace(Recipe(), layers=grown, ffn_dim=256, trained_experts=("low",))
+    experts = experts_to_train_from(ASSETS, recipe, log=lambda line: None)
+    assert experts["transformer"].config.num_layers == shapes["high"]  # it does not train: as it was
+    assert experts["transformer_2"].config.num_layers == grown
+    both = experts_to_train_from(
+        ASSETS, replace(recipe, trained_experts=("high", "low")), log=lambda line: None
+    )
+    assert both["transformer"].config.num_layers == both["transformer_2"].config.num_layers == grown
+    # Left out, --layers is the deepest trained expert's; below it is a shrink, named.
+    assert trained_shape(ASSETS, ("high", "low"))["layers"] == max(shapes.values())
+    deepest = max(shapes.values())
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "--retrain",
+                "--from",
+                str(ASSETS),
+                "--layers",
+                str(deepest - 1),
+                "--output",
+                str(tmp_path / "t"),
+            ]
+        )
+    assert f"--layers {deepest - 1}" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()

@@ -17,7 +17,7 @@ from distill.toy.score import score, score_clips
 from distill.toy.shipped import ASSETS
 from distill.toy.text_padding import check_folding
 from distill.toy.vae_fit import clip_reconstruction_score, encode_pictures, encode_scenes, to_vae_input
-from distill.toy.world import WORLD_FILE, all_prompts, sample_scenes
+from distill.toy.world import WORLD_FILE, all_prompts, guidance_of, sample_scenes
 from download_wan import main as download_main
 from download_wan import teacher_problems
 
@@ -54,8 +54,10 @@ def test_toy_download_writes_a_complete_a14b_teacher(toy_teacher, tmp_path, caps
 
 
 def stock_samples(toy_teacher, prompts: list[str], num_frames: int) -> np.ndarray:
-    """Frames (N, F, H, W, 3) from stock WanPipeline with the world's size, steps and guidance."""
+    """Frames (N, F, H, W, 3) from stock WanPipeline with the world's size, steps and guidance (its
+    clip guidance for clips)."""
     description = json.loads((toy_teacher / WORLD_FILE).read_text())
+    guidance = guidance_of(description, clips=num_frames > 1)
     pipe = WanPipeline.from_pretrained(toy_teacher)
     pipe.set_progress_bar_config(disable=True)
     return np.asarray(
@@ -66,8 +68,8 @@ def stock_samples(toy_teacher, prompts: list[str], num_frames: int) -> np.ndarra
             width=description["width"],
             num_frames=num_frames,
             num_inference_steps=description["sample_steps"],
-            guidance_scale=description["guidance_scale"],
-            guidance_scale_2=description["guidance_scale_2"],
+            guidance_scale=guidance[0],
+            guidance_scale_2=guidance[1],
             generator=torch.Generator("cpu").manual_seed(0),
             output_type="np",
         ).frames

@@ -118,7 +118,9 @@ class TeacherInfo:
     path: Path
     boundary_ratio: float
     flow_shift: float
-    expert_config: dict[str, Any]  # config of `transformer` (the two experts must agree on shapes)
+    # Config of `transformer`. The low-noise expert must agree on channels, text width and patch;
+    # its depth may differ (the toy teacher's is deeper), and the memory plan sizes both like this one.
+    expert_config: dict[str, Any]
     vae_scale_spatial: int
     vae_scale_temporal: int
 

@@ -7,8 +7,8 @@
                                                    # the same with deeper, wider experts (`grow`: they
                                                    # start out computing what the shipped ones do)
     python -m distill.toy.build --retrain --from assets/toy_teacher --vae_steps 0 --layers 5 \
-        --train_experts low                        # only the low-noise expert trains (it sets a clip's
-                                                   # speed); the high-noise one keeps its output
+        --train_experts low                        # only the low-noise expert trains and grows (it sets
+                                                   # a clip's speed); the high-noise one stays as it is
     python download_wan.py --toy outputs/toy-wan   # a teacher folder from the shipped weights (seconds)
 
 Trained like the real one, in miniature, at 32 x 32 pixels, on pictures (1 frame) AND clips
@@ -52,7 +52,7 @@ import torch
 from distill.ops.errors import DistillError, Stage, report
 from distill.toy import world
 from distill.toy.expert_training import FOCUS_SIGMA, train_experts
-from distill.toy.grow import expert_shape, grow_expert
+from distill.toy.grow import EXPERT_FOLDERS, expert_shape, grow_expert
 from distill.toy.recipe import Recipe
 from distill.toy.shipped import ASSETS
 from distill.toy.text_padding import check_folding, fold_padding
@@ -212,6 +212,25 @@ def encode_texts(tokenizer: Any, text_encoder: Any, prompts: list[str]) -> torch
 # ---------------------------------------------------------------------------------------------
 
 
+def experts_to_train_from(folder: Path, recipe: Recipe, log: Any = print) -> dict[str, Any]:
+    """The experts of the teacher in `folder`, by folder name; the trained ones (recipe.trained_experts)
+    grown to recipe.layers / recipe.ffn_dim. Only an expert that trains grows: new blocks in one that
+    does not would stay zero, costing every forward and adding nothing."""
+    from diffusers import WanTransformer3DModel
+
+    experts = {}
+    for offset, (short, name) in enumerate(EXPERT_FOLDERS.items()):
+        expert = WanTransformer3DModel.from_pretrained(folder / name)
+        shape = (expert.config.num_layers, expert.config.ffn_dim)
+        if short in recipe.trained_experts and shape != (recipe.layers, recipe.ffn_dim):
+            log(
+                f"{name}: grown from {shape[0]} to {recipe.layers} layers, ffn_dim {shape[1]} to {recipe.ffn_dim}"
+            )
+            expert = grow_expert(expert, recipe.layers, recipe.ffn_dim, seed=recipe.seed * 1000 + 3 + offset)
+        experts[name] = expert
+    return experts
+
+
 def train(
     recipe: Recipe,
     out_dir: Path,
@@ -221,7 +240,7 @@ def train(
 ) -> Path:
     """Fit the VAE, train both experts and save the teacher folder (with toy_world.json) to `out_dir`.
     `vae_from` / `experts_from`: teacher folders (or a VAE folder) to start from instead of random."""
-    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, WanPipeline
 
     parts = build_components(recipe)
     tokenizer, text_encoder = parts["tokenizer"], parts["text_encoder"]
@@ -229,17 +248,7 @@ def train(
         vae_folder = Path(vae_from) / "vae" if (Path(vae_from) / "vae").is_dir() else Path(vae_from)
         parts["vae"] = AutoencoderKLWan.from_pretrained(vae_folder)
     if experts_from is not None:
-        for offset, name in enumerate(("transformer", "transformer_2")):
-            expert = WanTransformer3DModel.from_pretrained(Path(experts_from) / name)
-            if (expert.config.num_layers, expert.config.ffn_dim) != (recipe.layers, recipe.ffn_dim):
-                log(
-                    f"{name}: grown from {expert.config.num_layers} to {recipe.layers} layers, "
-                    f"ffn_dim {expert.config.ffn_dim} to {recipe.ffn_dim}"
-                )
-                expert = grow_expert(
-                    expert, recipe.layers, recipe.ffn_dim, seed=recipe.seed * 1000 + 3 + offset
-                )
-            parts[name] = expert
+        parts.update(experts_to_train_from(Path(experts_from), recipe, log))
     if recipe.vae_steps > 0:
         fit_vae(parts["vae"], recipe, log)
         # The slowest part: kept beside the output, so a failure later does not cost it again.
@@ -320,6 +329,8 @@ def write_world_file(
         sample_steps=recipe.sample_steps,
         guidance_scale=recipe.guidance_scale,
         guidance_scale_2=recipe.guidance_scale_2,
+        clip_guidance_scale=recipe.clip_guidance_scale,
+        clip_guidance_scale_2=recipe.clip_guidance_scale_2,
         recipe=asdict(recipe),
         rebuild=rebuild,
     )
@@ -328,6 +339,13 @@ def write_world_file(
     if clip_calibration is not None:
         description["clip_calibration"] = clip_calibration
     (folder / world.WORLD_FILE).write_text(json.dumps(description, indent=2) + "\n")
+
+
+def trained_shape(teacher: Path, trained: tuple[str, ...]) -> dict[str, int]:
+    """The shape the trained experts of `teacher` start from: the largest of theirs (a smaller one
+    grows to it), and their patch."""
+    shapes = [expert_shape(teacher, name) for name in trained]
+    return {key: max(shape[key] for shape in shapes) for key in shapes[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,13 +385,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--layers",
         type=int,
-        help=f"blocks per expert (default: the --from teacher's, else {Recipe.layers}); "
-        "more than the --from teacher's grows its experts without changing their output",
+        help=f"blocks per trained expert (default: the --from teacher's deepest trained one, else "
+        f"{Recipe.layers}); more than the --from teacher's grows the trained experts without changing "
+        "their output (an expert that does not train keeps its shape)",
     )
     parser.add_argument(
         "--ffn_dim",
         type=int,
-        help=f"feed-forward width of the experts (default: the --from teacher's, else {Recipe.ffn_dim})",
+        help=f"feed-forward width of the trained experts (default: the --from teacher's widest trained "
+        f"one, else {Recipe.ffn_dim})",
     )
     parser.add_argument(
         "--spatial_patch",
@@ -410,14 +430,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not 0.0 <= args.low_focus <= 1.0:
             parser.error(f"--low_focus {args.low_focus}: give a fraction between 0 and 1")
-        start = expert_shape(Path(args.start_from)) if args.start_from else {}
+        start = trained_shape(Path(args.start_from), trained) if args.start_from else {}
         layers = args.layers or start.get("layers", Recipe.layers)
         ffn_dim = args.ffn_dim or start.get("ffn_dim", Recipe.ffn_dim)
         patch = args.spatial_patch or start.get("spatial_patch", Recipe.spatial_patch)
         if layers < start.get("layers", 0) or ffn_dim < start.get("ffn_dim", 0):
             parser.error(
-                f"--layers {layers} / --ffn_dim {ffn_dim}: the --from teacher's experts have {start['layers']} "
-                f"layers and ffn_dim {start['ffn_dim']}; they can grow, not shrink"
+                f"--layers {layers} / --ffn_dim {ffn_dim}: the --from teacher's trained experts have "
+                f"{start['layers']} layers and ffn_dim {start['ffn_dim']}; they can grow, not shrink"
             )
         if patch != start.get("spatial_patch", patch):
             parser.error(

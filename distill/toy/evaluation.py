@@ -256,7 +256,7 @@ def calibrate(teacher_path: str | Path, count: int = 96, clips: bool = False) ->
 
     description = world.read_world(teacher_path) or {}
     full = int(description.get("sample_steps", 20))
-    g1, g2 = description.get("guidance_scale", 4.0), description.get("guidance_scale_2", 3.0)
+    g1, g2 = world.guidance_of(description, clips)
     num_frames = frames_of(teacher_path, clips)
     prompts = eval_prompts(count, clips=clips)
     high, low = load_experts(teacher_path)

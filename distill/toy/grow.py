@@ -68,9 +68,14 @@ def grow_expert(expert: Any, num_layers: int, ffn_dim: int, seed: int = 0) -> An
     return grown.to(next(expert.parameters()).dtype)
 
 
-def expert_shape(teacher: Path) -> dict[str, int]:
-    """The Recipe fields a teacher folder's trained experts fix: `layers`, `ffn_dim`, `spatial_patch`."""
-    config = teacher / "transformer" / "config.json"
+# The build's names for the experts (--train_experts), and their folders in a teacher.
+EXPERT_FOLDERS = {"high": "transformer", "low": "transformer_2"}
+
+
+def expert_shape(teacher: Path, expert: str = "high") -> dict[str, int]:
+    """The Recipe fields one of a teacher folder's experts fixes (`expert`: "high" or "low"):
+    `layers`, `ffn_dim`, `spatial_patch`. The two may differ: a build can grow one alone."""
+    config = teacher / EXPERT_FOLDERS[expert] / "config.json"
     try:
         settings = json.loads(config.read_text())
         return {

@@ -241,6 +241,21 @@ def describe(**extra: Any) -> dict[str, Any]:
     }
 
 
+def guidance_of(description: dict[str, Any], clips: bool = False) -> tuple[float, float]:
+    """The toy teacher's own guidance (high-noise, low-noise) on pictures, or on clips (a teacher
+    written before clips had their own uses its picture guidance for both)."""
+    pictures = (
+        float(description.get("guidance_scale", 4.0)),
+        float(description.get("guidance_scale_2", 3.0)),
+    )
+    if not clips:
+        return pictures
+    return (
+        float(description.get("clip_guidance_scale", pictures[0])),
+        float(description.get("clip_guidance_scale_2", pictures[1])),
+    )
+
+
 def read_world(teacher_path: str | Path) -> dict[str, Any] | None:
     """The `toy_world.json` of a teacher folder, or None when the teacher is not a toy one."""
     path = Path(teacher_path) / WORLD_FILE
