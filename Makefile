@@ -26,7 +26,7 @@ $(STAMP): requirements.txt
 # student (assets/toy_student_stage1/; stage 1 takes ~16 min, a 700-step stage 1 left dmd at 0.04),
 # into a 4-step student. Then the report (eval.json, eval.png: the toy world's scores of the
 # teacher at 20 and at 4 steps and of the student) and the summary: a table in the terminal and
-# outputs/demo/summary.png. About 2.5 min on 2 CPU cores.
+# outputs/demo/summary.png. About 3 min on 2 CPU cores.
 demo: $(STAMP)
 	$(PY) download_wan.py --toy $(DEMO_TEACHER)
 	rm -rf $(DEMO_OUT) outputs/demo-cache
@@ -50,12 +50,13 @@ demo: $(STAMP)
 # The same on VIDEO: the moving toy world's 9-frame clips, dmd into a 4-step student that starts from
 # the teacher's high-noise expert (where a clip's motion is settled; docs/toy-world.md, the moving
 # world), against the teacher at its own clip guidance (3 / 1.5: at 4 / 3 its slow clips run fast),
-# then the report with the motion figures and toy_clips.gif. About 6 min on 2 CPU cores
-# beside another job (the teacher-latent cache of 1,944 clips is half of it).
+# then the report with the motion figures and toy_clips.gif. About 9.5 min on 2 CPU cores (the
+# teacher-latent cache of 1,944 clips is 6 of them, its low-noise expert 5 layers deep; rebuilt every time, as
+# make demo's is: a cache kept from another teacher or guidance is refused, and a demo must just run).
 CLIPS_OUT := outputs/demo-clips
 demo-clips: $(STAMP)
 	$(PY) download_wan.py --toy $(DEMO_TEACHER)
-	rm -rf $(CLIPS_OUT)
+	rm -rf $(CLIPS_OUT) outputs/demo-clips-cache
 	$(DEMO_ENV) $(PY) train_distillation.py --method dmd \
 		--teacher_path $(DEMO_TEACHER) \
 		--student_config config/student_toy_3layer.json \
