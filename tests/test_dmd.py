@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 from test_distributed import assert_same_trajectory, launch
 
 from distill.config.cli import parse_config
+from distill.data.caches import TensorCache
 from distill.models.few_step import few_step_scheduler, sample_few_step, student_grid
 from distill.models.flow_matching import apply_guidance
 from distill.models.student import build_student
@@ -102,9 +104,7 @@ def make_method(tiny_teacher, **overrides):
         lambda: torch.autocast("cpu", enabled=False),
         lambda: (0.0, 1.0),
     )
-    rng = BatchRandomness(
-        torch.Generator().manual_seed(0), torch.Generator().manual_seed(1), 0, 1, torch.device("cpu")
-    )
+    rng = BatchRandomness(torch.Generator().manual_seed(0), 1, 0, 1, torch.device("cpu"))
     return DmdMethod(cfg, env, models), models, rng
 
 
@@ -259,3 +259,49 @@ def test_dry_run_plan_adds_the_critic_and_says_which_placements_fit():
     # A14B in bf16 (53 GiB) + a 1.3B student and a 1.3B critic with AdamW (21 GiB each)
     assert 90 < with_critic / 2**30 < 100 and with_critic - without == pytest.approx(16 * 1.42e9, rel=0.01)
     assert estimate(cfg, info, student, cpu, "cpu", 1, student).total / 2**30 < 67  # fits on 80 GB
+
+
+def test_a_data_free_dmd_run_samples_only_its_reference_prompts_and_resumes_exactly(
+    tiny_teacher, tmp_path, monkeypatch
+):
+    """Simulate inputs and no regression: no update reads a clean latent, so the teacher samples only
+    the --reference_prompts set (evenly spaced over the prompts) for the drift and motion metrics."""
+    from distill.data.prompts import read_prompts, reference_prompts
+
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("".join(f"a red circle number {i} in the middle\n" for i in range(200)))
+    common = dict(
+        data_path=prompt_file,
+        max_prompts=None,
+        regression_weight=0,
+        reference_prompts=4,
+        student_steps=1,  # every critic update then sees the student's final samples: motion is measured
+        height=16,
+        width=16,
+        num_frames=5,
+        num_steps=5,
+        checkpoint_every=2,
+    )
+    cache = tmp_path / "cache"
+    straight = run(dmd_args(tiny_teacher, tmp_path / "straight", cache, **common))
+    assert (straight.embeddings_built, straight.latents_built) == (201, 4)
+    reference = reference_prompts(read_prompts(prompt_file), 4)
+    assert reference == [f"a red circle number {i} in the middle" for i in (0, 50, 100, 150)]
+    cached = {p.name for p in cache.glob("latents/*/*.safetensors")}
+    assert cached == {TensorCache(cache, {}, "").path(p).name for p in reference}
+    rows = [json.loads(x) for x in (straight.output_dir / "metrics.jsonl").read_text().splitlines()]
+    # The metrics that compare with the teacher come from the reference latents (the motion ratio in
+    # rows whose critic updates drew the student's final step).
+    assert {"latent_mean_drift", "latent_std_ratio"} <= set(rows[0])
+    motion = [r["latent_motion_ratio"] for r in rows if "latent_motion_ratio" in r]
+    assert motion and all(math.isfinite(m) and m > 0 for m in motion)
+
+    monkeypatch.setenv("DISTILL_INJECT_FAULT", "exception:4")
+    with pytest.raises(RuntimeError, match="injected exception at step 4"):
+        run(dmd_args(tiny_teacher, tmp_path / "resumed", cache, **common))
+    monkeypatch.delenv("DISTILL_INJECT_FAULT")
+    resumed = run(dmd_args(tiny_teacher, tmp_path / "resumed", cache, **common))
+    assert resumed.resumed_from.name == "step_00000002" and resumed.latents_built == 0
+    for name in ("student", "critic"):
+        a, b = weights_of(straight, name), weights_of(resumed, name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -73,3 +73,25 @@ def test_timesteps_are_those_wan_pipelines_scheduler_feeds_the_models(tiny_teach
             float32_floor_differs += int((torch.floor(sigmas.float() * 1000).long() != timesteps).sum())
     assert float32_floor_differs > 0  # why the trainer keeps its sigmas in float64 until x_t
     assert sample_sigmas(3, 3.0, torch.Generator().manual_seed(0)).dtype == torch.float64
+
+
+def test_noise_is_seeded_per_global_sample_so_ranks_draw_only_their_rows():
+    from distill.train.methods.base import BatchRandomness
+
+    def draws(rank: int, world: int, batch: int, count: int = 3) -> list[torch.Tensor]:
+        rng = BatchRandomness(torch.Generator().manual_seed(0), 7, rank, world, torch.device("cpu"))
+        return [rng.noise((batch, 2, 1, 3, 3)) for _ in range(count)]
+
+    one_process = draws(0, 1, 4)
+    two_ranks = [draws(rank, 2, 2) for rank in (0, 1)]
+    for n, whole in enumerate(one_process):
+        # Rank r keeps rows [2r, 2r + 2) of the same global batch: equal to the bit, not just close.
+        assert torch.equal(torch.cat([two_ranks[0][n], two_ranks[1][n]]), whole)
+    assert not torch.equal(one_process[0], one_process[1]), "every draw is new noise"
+    assert not torch.equal(one_process[0][0], one_process[0][1]), "every row is its own sample"
+    # A resumed run needs only the draw count to continue the same stream.
+    resumed = BatchRandomness(torch.Generator().manual_seed(0), 7, 0, 1, torch.device("cpu"))
+    resumed.noise_draws = 2
+    assert torch.equal(resumed.noise((4, 2, 1, 3, 3)), one_process[2])
+    other_seed = BatchRandomness(torch.Generator().manual_seed(0), 8, 0, 1, torch.device("cpu"))
+    assert not torch.equal(other_seed.noise((4, 2, 1, 3, 3)), one_process[0])

@@ -350,7 +350,8 @@ def test_training_on_the_original_layout_matches_the_diffusers_twin(
     # The prompt embeddings (text encoder) and clean latents (both experts, sampled) agree.
     for kind in ("embeddings", "latents"):
         files = [
-            sorted((tmp_path / f"{name}-cache" / kind).glob("*.safetensors")) for name in ("original", "twin")
+            sorted((tmp_path / f"{name}-cache" / kind).glob("**/*.safetensors"))
+            for name in ("original", "twin")
         ]
         assert [p.name for p in files[0]] == [p.name for p in files[1]] and files[0]
         for a, b in zip(*files):

@@ -26,7 +26,7 @@ def run(command: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_sharded_teacher_gives_the_same_guided_velocity(tiny_teacher):
+def test_sharded_experts_give_the_same_results_with_one_token_placeholders(tiny_teacher):
     proc = run(
         [
             *TORCHRUN,
@@ -37,6 +37,12 @@ def test_sharded_teacher_gives_the_same_guided_velocity(tiny_teacher):
         ]
     )
     assert "rank 0 max abs difference" in proc.stdout and "rank 1 max abs difference" in proc.stdout
+    # 4 tokens per sample (a 4x4 latent in 2x2 patches), guided pairs for the teacher. Rank 1 has no
+    # high-noise sample: it joins that expert's gathers with a one-token placeholder, not a sample.
+    assert "rank 0 teacher tokens high 16 low 8" in proc.stdout
+    assert "rank 1 teacher tokens high 1 low 24" in proc.stdout
+    assert "rank 0 lora tokens high 8 low 4" in proc.stdout
+    assert "rank 1 lora tokens high 1 low 12" in proc.stdout
 
 
 def test_training_with_a_sharded_teacher_matches_a_whole_teacher(tiny_teacher, tmp_path):

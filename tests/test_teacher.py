@@ -52,6 +52,42 @@ def test_each_sample_goes_to_its_expert_with_guidance_by_hand(experts):
             assert not torch.allclose(out[i : i + 1], wrong, atol=1e-3)
 
 
+def count_samples(*models):
+    """Samples each model's forwards have seen (batch sizes summed), counted by forward pre-hooks."""
+    seen = {id(m): 0 for m in models}
+
+    def hook(module, args, kwargs):
+        seen[id(module)] += kwargs["hidden_states"].shape[0]
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in models]
+    return seen, handles
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (1.0, 3.0)])
+def test_an_expert_at_guidance_one_runs_the_conditional_pass_only(experts, scales):
+    info, high, low = experts
+    teacher = GuidedTeacher(high, low, info.boundary_ratio, *scales, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 16, 1, 4, 4, generator=gen)
+    cond = torch.randn(4, 6, info.text_dim, generator=gen)
+    uncond = torch.randn(1, 6, info.text_dim, generator=gen)
+    t = torch.tensor([950.0, 100.0, 900.0, 300.0])
+    seen, handles = count_samples(high, low)
+    try:
+        out = teacher.velocity(x, t, cond, uncond)
+    finally:
+        for handle in handles:
+            handle.remove()
+    # Two samples per expert: one forward each at guidance 1, a cond + uncond pair above it.
+    assert seen[id(high)] == (2 if scales[0] == 1.0 else 4)
+    assert seen[id(low)] == (2 if scales[1] == 1.0 else 4)
+    with torch.no_grad():  # what the two-pass guidance formula gives, within float rounding
+        for i, expert, scale in ((0, high, scales[0]), (1, low, scales[1])):
+            c = _single(expert, x[i : i + 1], t[i : i + 1], cond[i : i + 1])
+            u = _single(expert, x[i : i + 1], t[i : i + 1], uncond)
+            torch.testing.assert_close(out[i : i + 1], u + scale * (c - u), atol=1e-5, rtol=1e-5)
+
+
 def test_missing_component_is_named(tiny_teacher, tmp_path):
     broken = tmp_path / "teacher"
     shutil.copytree(tiny_teacher, broken)

@@ -64,15 +64,34 @@ def test_second_run_reuses_both_caches(tiny_teacher, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in cache.rglob("*.safetensors")} == stamps
 
 
-def test_latent_cache_with_other_settings_is_refused_with_folder_to_delete(
+def test_runs_with_other_sampling_settings_share_the_embeddings_and_keep_their_own_latents(
+    tiny_teacher, tmp_path
+):
+    """Stage 1 (guidance 1) and stage 2 (the teacher's guidance) given the same --cache_dir: the
+    prompt embeddings are encoded once, each keeps its own clean latents, and neither is rebuilt."""
+    cache = tmp_path / "cache"
+    stage_one = dict(num_steps=1, guidance_scale=1, guidance_scale_2=1)
+    first = run(train_args(tiny_teacher, tmp_path / "a", cache, **stage_one))
+    second = run(train_args(tiny_teacher, tmp_path / "b", cache, num_steps=1))
+    assert (first.embeddings_built, first.latents_built) == (9, 8)
+    assert (second.embeddings_built, second.latents_built) == (0, 8)
+    folders = sorted(p.parent for p in cache.glob("latents/*/settings.json"))
+    assert len(folders) == 2
+    guidance = {json.loads((f / "settings.json").read_text())["guidance_scale"] for f in folders}
+    assert guidance == {1.0, 4.0}
+    again = run(train_args(tiny_teacher, tmp_path / "c", cache, **stage_one))
+    assert (again.embeddings_built, again.latents_built) == (0, 0)
+
+
+def test_embedding_cache_with_other_settings_is_refused_with_folder_to_delete(
     tiny_teacher, shared_cache, tmp_path, capsys
 ):
     run(train_args(tiny_teacher, tmp_path / "a", shared_cache, num_steps=1))
-    code = main(train_args(tiny_teacher, tmp_path / "b", shared_cache, num_steps=1, teacher_sample_steps=3))
+    code = main(train_args(tiny_teacher, tmp_path / "b", shared_cache, num_steps=1, max_sequence_length=64))
     err = capsys.readouterr().err
     assert code == 6
-    assert "teacher_sample_steps: cache has 2, this run has 3" in err
-    assert f"delete {shared_cache / 'latents'}" in err
+    assert "max_sequence_length: cache has 512, this run has 64" in err
+    assert f"delete {shared_cache / 'embeddings'}" in err
 
 
 def test_interrupted_then_resumed_run_equals_uninterrupted_bitwise(
@@ -191,7 +210,7 @@ def test_any_valid_teacher_shape_and_video_mode(tmp_path):
     )
     student = WanTransformer3DModel.from_pretrained(result.student_dir)
     assert student.config.text_dim == 16 and student.config.num_layers == 1
-    latent = next((tmp_path / "cache" / "latents").glob("*.safetensors"))
+    latent = next((tmp_path / "cache" / "latents").glob("*/*.safetensors"))
     assert load_file(str(latent))["value"].shape == (16, 2, 4, 2)
 
 

@@ -180,6 +180,13 @@ class TrainConfig:
         0.0,
         "dmd: weight of an MSE term pulling the student's first step onto the teacher's (noise -> x0) pairs.",
     )
+    reference_prompts: int = _opt(
+        16,
+        "dmd with simulate inputs and no regression (its updates never read the teacher's clean latents): "
+        "the teacher samples clean latents only for this many prompts, at evenly spaced positions of "
+        "--data_path (after --max_prompts), for the metrics that compare with the teacher (latent drift, "
+        "motion). Every other run samples one per training prompt.",
+    )
 
     # --- clean latents ----------------------------------------------------------------------
     height: int = _opt(480, "Training (and sampling) height in pixels; a multiple of 8 x the patch size.")
@@ -327,6 +334,7 @@ class TrainConfig:
             "eval_samples_per_bucket",
             "student_steps",
             "critic_updates",
+            "reference_prompts",
         ]
         self._validate_finite()
         for name in positive + ["num_steps", "num_epochs", "max_prompts", "plan_world_size"]:

@@ -8,10 +8,16 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from distill.data.caches import TensorCache
+from distill.models.flow_matching import frame_change
 
 
 class DistillationDataset(torch.utils.data.Dataset):
-    """Clean latent x0 and zero-padded prompt embedding of each training prompt, read from the caches."""
+    """Zero-padded prompt embedding and clean latent x0 of each training prompt, read from the caches.
+
+    A run whose updates never read x0 (dmd with simulate inputs and no regression) sets
+    `clean_latents=False`: its items carry no x0, and only the `reference` prompts have a cached clean
+    latent, for the metrics that compare the student's samples with the teacher's.
+    """
 
     def __init__(
         self,
@@ -20,12 +26,17 @@ class DistillationDataset(torch.utils.data.Dataset):
         embeddings: TensorCache,
         max_length: int,
         noise_for: Callable[[str], torch.Tensor] | None = None,
+        clean_latents: bool = True,
+        reference: Sequence[str] | None = None,
     ) -> None:
         self.prompts = list(prompts)
         self.latents, self.embeddings = latents, embeddings
         self.max_length = max_length
         # With it, items also carry the initial noise the teacher sampled x0 from (its noise -> x0 pair).
         self.noise_for = noise_for
+        self.clean_latents = clean_latents
+        # The prompts with a cached clean latent: every training prompt, or the reference set.
+        self.reference = list(prompts) if clean_latents or reference is None else list(reference)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -33,18 +44,23 @@ class DistillationDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         prompt = self.prompts[index]
         item = {
-            "x0": self.latents.get(prompt),
             "cond": pad_embedding(self.embeddings.get(prompt), self.max_length),
             "index": torch.tensor(index),
         }
+        if self.clean_latents:
+            item["x0"] = self.latents.get(prompt)
         if self.noise_for is not None:
             item["noise"] = self.noise_for(prompt)
         return item
 
+    def latent_shape(self) -> tuple[int, ...]:
+        """(C, F, H, W) of one clean latent, as the teacher sampled it."""
+        return tuple(self.latents.get(self.reference[0]).shape)
+
     def clean_latent_statistics(self, limit: int = 256) -> tuple[float, float]:
         """Mean and std over every element of the first `limit` cached clean latents (the teacher's)."""
         total = squares = count = 0.0
-        for prompt in self.prompts[:limit]:
+        for prompt in self.reference[:limit]:
             x0 = self.latents.get(prompt).double()
             total, squares, count = (
                 total + x0.sum().item(),
@@ -53,6 +69,14 @@ class DistillationDataset(torch.utils.data.Dataset):
             )
         mean = total / count
         return mean, max(squares / count - mean * mean, 0.0) ** 0.5
+
+    def reference_motion(self, limit: int = 256) -> float | None:
+        """The teacher's mean frame-to-frame change over the first `limit` cached clean latents
+        (`flow_matching.frame_change`); None for pictures."""
+        changes = [frame_change(self.latents.get(prompt)[None]) for prompt in self.reference[:limit]]
+        if changes[0] is None:
+            return None
+        return float(torch.cat(changes).double().mean())
 
 
 def pad_embedding(embedding: torch.Tensor, max_length: int) -> torch.Tensor:

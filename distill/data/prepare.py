@@ -6,6 +6,8 @@ teacher and settings finds both caches full and loads neither the text encoder n
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,7 +57,17 @@ def latent_cache(
         "seed": cfg.seed,
         "dtype": str(dtype),
     }
-    return TensorCache(cfg.resolved_cache_dir / "latents", settings, "clean-latent").open()
+    # One folder per set of sampling settings, side by side: stage 1 (guidance 1) and stage 2 (the
+    # teacher's guidance) share a --cache_dir, its prompt embeddings, and each keeps its own latents.
+    root = cfg.resolved_cache_dir / "latents"
+    if (root / "settings.json").is_file():
+        logger.warning(
+            "%s holds clean latents in an earlier layout (one folder for every setting); they are not "
+            "used: delete its *.safetensors and settings.json once no older version needs them",
+            root,
+        )
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    return TensorCache(root / key, settings, "clean-latent").open()
 
 
 def fill_embedding_cache(

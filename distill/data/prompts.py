@@ -86,3 +86,11 @@ def _prompts_from_jsonl(path: Path, text: str, flag: str) -> list[str]:
             )
         prompts.append(str(record["prompt"]).strip())
     return prompts
+
+
+def reference_prompts(prompts: list[str], count: int) -> list[str]:
+    """`count` prompts at evenly spaced positions of `prompts` (all of them when there are no more):
+    the fixed set whose teacher samples a run that trains without them compares its student with."""
+    if count >= len(prompts):
+        return list(prompts)
+    return [prompts[i * len(prompts) // count] for i in range(count)]

@@ -28,6 +28,7 @@ from torch import nn
 
 from distill.config.settings import LORA_TARGETS as DEFAULT_TARGETS
 from distill.models.flow_matching import high_noise_mask
+from distill.models.lockstep import one_token_inputs
 from distill.ops.distributed import any_rank
 
 EXPERTS = ("high", "low")  # transformer (t >= boundary), transformer_2
@@ -137,16 +138,17 @@ def route(
     boundary_ratio: float,
     call: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     lockstep: bool = False,
+    patch_size: Sequence[int] = (1, 2, 2),
 ) -> torch.Tensor:
     """Run each sample through the expert of its timestep (`call(which, x, t, text)`), in batch order.
 
     `lockstep` (experts sharded over the ranks, whose forward and backward gather weights from every
     rank): whenever any rank runs an expert, every rank does, in the same order, a rank without a
-    sample for it on a placeholder (its first sample) that the output drops. The placeholder still
-    joins the output's graph (cat, then a selection of the real rows), so backward also passes
-    through that expert on every rank, with zero gradient."""
+    sample for it on a one-token placeholder (distill/models/lockstep.py, `patch_size` the experts').
+    The placeholder's output joins the result times zero, so backward also passes through that
+    expert on every rank, with zero gradient."""
     is_high = high_noise_mask(timestep.detach().cpu(), boundary_ratio)
-    parts, rows_of_parts = [], []
+    parts, rows_of_parts, placeholders = [], [], []
     for which, mask in (("high", is_high), ("low", ~is_high)):
         rows = mask.nonzero().flatten()
         present = rows.numel() > 0
@@ -154,29 +156,28 @@ def route(
             present = any_rank(present, hidden_states.device)
         if not present:
             continue
-        inputs = rows if rows.numel() else torch.zeros(1, dtype=torch.long)  # the placeholder: sample 0
-        index = inputs.to(hidden_states.device)
+        if rows.numel() == 0:
+            placeholders.append(
+                call(which, *one_token_inputs(hidden_states, timestep, encoder_hidden_states, patch_size))
+            )
+            continue
+        index = rows.to(hidden_states.device)
         parts.append(
             call(
                 which,
                 hidden_states.index_select(0, index),
-                timestep.index_select(0, inputs.to(timestep.device)),
+                timestep.index_select(0, rows.to(timestep.device)),
                 encoder_hidden_states.index_select(0, index),
             )
         )
-        rows_of_parts.append(rows if rows.numel() else None)
+        rows_of_parts.append(rows)
     out = torch.cat(parts)
-    if len(parts) == 1 and not lockstep:
-        return out
-    # Position in `out` of each real sample, in batch order (a placeholder's row is left out).
-    positions, order, start = [], [], 0
-    for part, rows in zip(parts, rows_of_parts):
-        if rows is not None:
-            positions.append(torch.arange(start, start + rows.numel()))
-            order.append(rows)
-        start += part.shape[0]
-    chosen = torch.cat(positions).index_select(0, torch.cat(order).argsort())
-    return out.index_select(0, chosen.to(out.device))
+    if len(parts) > 1:  # back to batch order
+        order = torch.cat(rows_of_parts).argsort()
+        out = out.index_select(0, order.to(out.device))
+    for placeholder in placeholders:
+        out = out + placeholder.float().sum().to(out.dtype) * 0
+    return out
 
 
 class RoutedModel(nn.Module):
@@ -197,7 +198,15 @@ class RoutedModel(nn.Module):
             return self.run_expert(which, x, t, text, **kwargs)
 
         return (
-            route(hidden_states, timestep, encoder_hidden_states, self.boundary_ratio, call, self.lockstep),
+            route(
+                hidden_states,
+                timestep,
+                encoder_hidden_states,
+                self.boundary_ratio,
+                call,
+                self.lockstep,
+                tuple(self.config.patch_size),
+            ),
         )
 
     def run_expert(

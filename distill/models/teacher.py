@@ -27,6 +27,7 @@ from distill.models.layout import (
     present_entries,
     safetensors_problem,
 )
+from distill.models.lockstep import one_token_inputs
 from distill.models.original.convert import ensure_converted
 from distill.models.original.detect import looks_original
 from distill.ops.errors import DistillError, Stage
@@ -403,9 +404,11 @@ class GuidedTeacher:
         x_t (B,C,F,H,W) and cond (B,L,D) live on the device; `timesteps` (B,) lives on the CPU so the
         routing below costs no device sync; `uncond` is the negative-prompt embedding (1,L,D).
         Each expert runs once, on its slice of the batch, with the conditional and unconditional
-        inputs stacked into one forward. `experts_needed` = (high, low) says whether ANY rank needs
-        each expert this step; in lockstep mode a rank with no sample for a needed expert runs it
-        on a placeholder sample and drops the result.
+        inputs stacked into one forward; an expert whose guidance is 1 runs the conditional pass
+        only (uncond + 1 * (cond - uncond) is cond: the unconditional half would be thrown away).
+        `experts_needed` = (high, low) says whether ANY rank needs each expert this step; in lockstep
+        mode a rank with no sample for a needed expert joins its collectives with a one-token
+        placeholder (distill/models/lockstep.py) and drops the result.
         """
         out = torch.empty(x_t.shape, dtype=torch.float32, device=x_t.device)
         is_high = high_noise_mask(timesteps, self.boundary_ratio)
@@ -419,38 +422,33 @@ class GuidedTeacher:
             rows = mask.nonzero().flatten()
             if rows.numel() == 0:
                 if self.lockstep and anywhere:
-                    self._placeholder_forward(expert, x_t, timesteps, cond, uncond)
+                    x, t, text = one_token_inputs(
+                        x_t, timesteps.to(x_t.device), cond, expert.config.patch_size
+                    )
+                    expert(
+                        hidden_states=x.to(self.dtype),
+                        timestep=t,
+                        encoder_hidden_states=text.to(self.dtype),
+                        return_dict=False,
+                    )
                 continue
             n = rows.numel()
             rows_dev = rows.to(x_t.device, non_blocking=True)
             x = x_t.index_select(0, rows_dev).to(self.dtype)
             t = timesteps.index_select(0, rows).to(x_t.device, non_blocking=True)
-            text = torch.cat([cond.index_select(0, rows_dev), uncond.expand(n, -1, -1)]).to(self.dtype)
+            text = cond.index_select(0, rows_dev).to(self.dtype)
+            if scale == 1.0:
+                (velocity,) = expert(
+                    hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False
+                )
+                out.index_copy_(0, rows_dev, velocity.float())
+                continue
             both = expert(
                 hidden_states=torch.cat([x, x]),
                 timestep=torch.cat([t, t]),
-                encoder_hidden_states=text,
+                encoder_hidden_states=torch.cat([text, uncond.expand(n, -1, -1).to(self.dtype)]),
                 return_dict=False,
             )[0]
             guided = apply_guidance(both[:n].float(), both[n:].float(), scale)
             out.index_copy_(0, rows_dev, guided)
         return out
-
-    def _placeholder_forward(
-        self,
-        expert: Any,
-        x_t: torch.Tensor,
-        timesteps: torch.Tensor,
-        cond: torch.Tensor,
-        uncond: torch.Tensor,
-    ) -> None:
-        """Join the collectives of a sharded expert's forward with one sample whose result is dropped."""
-        text = torch.cat([cond[:1], uncond]).to(self.dtype)
-        x = x_t[:1].to(self.dtype)
-        t = timesteps[:1].to(x_t.device)
-        expert(
-            hidden_states=torch.cat([x, x]),
-            timestep=torch.cat([t, t]),
-            encoder_hidden_states=text,
-            return_dict=False,
-        )

@@ -110,8 +110,16 @@ class TrainingLoop:
             len(dataset), cfg.seed, cfg.batch_size, self.ctx.rank, self.ctx.world_size
         )
         self._latent_statistics: tuple[float, float] | None = None
+        self._reference_motion: tuple[float | None] | None = None  # (value,) once read
         env = MethodEnv(
-            teacher, self.negative, self.device, distiller.shift, self.autocast, self.latent_statistics
+            teacher,
+            self.negative,
+            self.device,
+            distiller.shift,
+            self.autocast,
+            self.latent_statistics,
+            dataset.latent_shape(),
+            self.reference_motion,
         )
         self.method = method_cls(cfg, env, self.models)
         self.method.bind(self.wrapped)
@@ -145,9 +153,8 @@ class TrainingLoop:
         # Randomness of the GLOBAL batch, identical on every rank; each rank uses its slice. Our
         # own generators, so the random stream of training is part of the checkpoint.
         self.timestep_generator = torch.Generator("cpu").manual_seed(cfg.seed + 1)
-        self.noise_generator = torch.Generator(self.device).manual_seed(cfg.seed + 2)
         self.randomness = BatchRandomness(
-            self.timestep_generator, self.noise_generator, self.ctx.rank, self.ctx.world_size, self.device
+            self.timestep_generator, cfg.seed + 2, self.ctx.rank, self.ctx.world_size, self.device
         )
         # Per update: this step's sums, the logged window's sums, the last grad norm, the extras' names.
         self.step_sums: dict[str, torch.Tensor] = {}
@@ -171,7 +178,7 @@ class TrainingLoop:
             "scaler": self.scaler.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "timestep_generator": self.timestep_generator.get_state(),
-            "noise_generator": self.noise_generator.get_state(),
+            "noise_draws": self.randomness.noise_draws,
             "rng": ckpt.rng_state(),
             # Models besides the student (their weights go to <name>.safetensors), and the method's own.
             "models": {
@@ -264,7 +271,7 @@ class TrainingLoop:
         if self.ema is not None and state["ema"] is not None:
             ckpt.restore_ema(self.ema, state["ema"], self.device)
         self.timestep_generator.set_state(state["timestep_generator"])
-        self.noise_generator.set_state(state["noise_generator"].to(self.noise_generator.get_state().device))
+        self.randomness.noise_draws = self._noise_draws(state, found.step)
         ckpt.restore_rng_state(state["rng"])
         for name, model in self.models.items():
             if name == "student":
@@ -283,6 +290,18 @@ class TrainingLoop:
             self.scalers[name].load_state_dict(state["models"][name]["scaler"])
         self.method.load_state_dict(state.get("method", {}))
 
+    def _noise_draws(self, state: dict[str, Any], step: int) -> int:
+        """Where the noise stream continues. A checkpoint written before noise was seeded per sample
+        holds a generator state instead: its run continues exactly in everything but the noise,
+        which starts on draws no fresh run reaches."""
+        if "noise_draws" in state:
+            return int(state["noise_draws"])
+        if self.ctx.is_main:
+            logger.warning(
+                "this checkpoint predates per-sample noise seeds: training continues from it, with a new noise stream"
+            )
+        return (1 << 40) + step
+
     # -- the step ----------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.cfg.mixed_precision == "no":
@@ -295,6 +314,12 @@ class TrainingLoop:
         if self._latent_statistics is None:
             self._latent_statistics = self.dataset.clean_latent_statistics()
         return self._latent_statistics
+
+    def reference_motion(self) -> float | None:
+        """The teacher's mean motion over the reference latents (computed once; None for pictures)."""
+        if self._reference_motion is None:
+            self._reference_motion = (self.dataset.reference_motion(),)
+        return self._reference_motion[0]
 
     def micro_step(self, update: str, batch: dict[str, torch.Tensor], sync: bool, poison: bool) -> None:
         """Forward and backward of one micro-batch of `update`; adds [loss, high loss, high n, low loss,

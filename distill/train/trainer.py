@@ -23,7 +23,7 @@ from distill.config.settings import TrainConfig
 from distill.data.caches import TensorCache
 from distill.data.dataset import DistillationDataset
 from distill.data.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
-from distill.data.prompts import read_prompts
+from distill.data.prompts import read_prompts, reference_prompts
 from distill.models.lora import CRITIC_ADAPTER, STUDENT_ADAPTER, ExpertCopies, LoraExperts, LoraShape
 from distill.models.lora_files import lora_start
 from distill.models.original.configs import check_original_exportable
@@ -142,6 +142,12 @@ class Distiller:
             )
         check_resolution(cfg, self.info, self.student_config)
         self.prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]
+        # The prompts the teacher samples a clean latent for before step 1: every training prompt,
+        # unless the method's updates never read them (data-free dmd: a reference set for metrics).
+        self.clean_latents = method_class(cfg.method).needs_clean_latents(cfg)
+        self.latent_prompts = (
+            self.prompts if self.clean_latents else reference_prompts(self.prompts, cfg.reference_prompts)
+        )
         self.teacher_dtype = resolve_dtype(cfg.teacher_dtype, self.device)
         self.shift = cfg.flow_shift if cfg.flow_shift is not None else self.info.flow_shift
         # Refuse a bad critic config (dmd) before anything heavy, too.
@@ -233,12 +239,20 @@ class Distiller:
         Progress.enter(Stage.TEACHER_LOAD)
         high, low = self.load_teacher_experts()
         Progress.enter(Stage.DATA)
+        if not self.clean_latents and self.is_main:
+            logger.info(
+                "dmd with simulate inputs and no regression term never reads the teacher's clean latents: "
+                "sampling them for %d reference prompt(s) only (--reference_prompts: latent drift and "
+                "motion metrics), not for all %d training prompts",
+                len(self.latent_prompts),
+                len(self.prompts),
+            )
         latents = self._open_shared(lambda: latent_cache(cfg, self.info, self.teacher_dtype, embeddings))
         if self.lora is not None:
             self.lora.teacher_mode()  # the cached latents are the teacher's own samples
         result.latents_built = fill_latent_cache(
             latents,
-            self.prompts[rank::world],
+            self.latent_prompts[rank::world],
             embeddings,
             negative,
             cfg,
@@ -250,7 +264,7 @@ class Distiller:
             lockstep_placeholder=self.prompts[0] if self.placement == "shard" else None,
         )
         dist_utils.barrier()
-        self._require_complete(latents, self.prompts)
+        self._require_complete(latents, self.latent_prompts)
         if self.lora is not None:  # the teacher is the same experts with their adapters off
             high, low = self.lora.teacher_views()
         teacher = GuidedTeacher(
@@ -442,7 +456,13 @@ class Distiller:
         result = RunResult(output_dir=out)
         embeddings, latents, negative, teacher = self.prepare_caches(result)
         dataset = DistillationDataset(
-            self.prompts, latents, embeddings, cfg.max_sequence_length, self.teacher_noise_for_regression()
+            self.prompts,
+            latents,
+            embeddings,
+            cfg.max_sequence_length,
+            self.teacher_noise_for_regression(),
+            clean_latents=self.clean_latents,
+            reference=self.latent_prompts,
         )
         student = self.make_student()
         extra = {name: self.make_model(name) for name in self.model_specs if name != "student"}

@@ -10,6 +10,7 @@ of one global batch, so a method never needs to know how many processes share th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,19 +22,31 @@ from distill.models.flow_matching import sample_sigmas
 from distill.models.teacher import GuidedTeacher
 
 
+def sample_seed(seed: int, draw: int, row: int) -> int:
+    """The seed of row `row` of the global batch in noise draw number `draw` of a run seeded `seed`."""
+    digest = hashlib.blake2b(f"{seed}:{draw}:{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
 class BatchRandomness:
     """Random draws for one GLOBAL micro-batch, identical on every rank; each rank keeps its rows.
 
     `cpu` draws timesteps, step indices and other small numbers (on the CPU, so routing samples to
-    experts needs no device sync); `device` draws noise. Both are the loop's generators and part of
-    every checkpoint. Rank r of w keeps rows [r*B, (r+1)*B) of a global batch of w*B.
+    experts needs no device sync); it is the loop's generator and part of every checkpoint. Noise is
+    drawn per sample: row g of the global batch in the run's n-th noise draw comes from its own seed
+    (`sample_seed(noise_seed, n, g)`), so a rank draws only its own rows (the global batch of noise
+    at 64 ranks would be gigabytes per draw), the numbers do not depend on how many ranks share the
+    batch, and a checkpoint only needs the draw count. Rank r of w keeps rows [r*B, (r+1)*B) of a
+    global batch of w*B.
     """
 
     def __init__(
-        self, cpu: torch.Generator, device: torch.Generator, rank: int, world_size: int, on: torch.device
+        self, cpu: torch.Generator, noise_seed: int, rank: int, world_size: int, on: torch.device
     ) -> None:
-        self.cpu, self.device_generator = cpu, device
+        self.cpu, self.noise_seed = cpu, noise_seed
         self.rank, self.world_size, self.on = rank, world_size, on
+        self.noise_draws = 0  # noise draws so far, the same on every rank
+        self._noise_generator = torch.Generator(on)
 
     def _rows(self, batch: int) -> slice:
         return slice(self.rank * batch, (self.rank + 1) * batch)
@@ -55,11 +68,13 @@ class BatchRandomness:
 
     def noise(self, shape: tuple[int, ...]) -> torch.Tensor:
         """Standard normal noise of this rank's rows; `shape` is the per-rank shape (B, ...)."""
-        batch = shape[0]
-        every = torch.randn(
-            (batch * self.world_size, *shape[1:]), generator=self.device_generator, device=self.on
-        )
-        return every[self._rows(batch)]
+        draw, self.noise_draws = self.noise_draws, self.noise_draws + 1
+        rows = []
+        for row in range(self._rows(shape[0]).start, self._rows(shape[0]).stop):
+            # Seeding a generator sets its state on the host: no device sync, also on CUDA.
+            self._noise_generator.manual_seed(sample_seed(self.noise_seed, draw, row))
+            rows.append(torch.randn(shape[1:], generator=self._noise_generator, device=self.on))
+        return torch.stack(rows)
 
 
 @dataclass
@@ -73,6 +88,11 @@ class MethodEnv:
     autocast: Callable[[], contextlib.AbstractContextManager]
     # Mean and std of the teacher's clean latents (read lazily: only methods that report drift ask).
     latent_statistics: Callable[[], tuple[float, float]]
+    # (C, F, H, W) of a clean latent: what a method that starts from noise draws without any x0.
+    latent_shape: tuple[int, ...] | None = None
+    # The teacher's mean frame-to-frame change over the reference latents (None for pictures): what a
+    # student's motion is compared with when the batch has no clean latents of its own prompts.
+    reference_motion: Callable[[], float | None] = field(default=lambda: None)
 
 
 @dataclass
@@ -132,6 +152,12 @@ class Method:
     def extra_models(cfg: TrainConfig) -> dict[str, tuple[str | None, str | None]]:
         """Trained models besides the student: name -> (config file, init); None means like the student's."""
         return {}
+
+    @staticmethod
+    def needs_clean_latents(cfg: TrainConfig) -> bool:
+        """Whether the updates read the teacher's clean latent x0 of every training prompt (batch["x0"]).
+        When not, the teacher samples only the --reference_prompts set before training, for metrics."""
+        return True
 
     def bind(self, train_models: dict[str, torch.nn.Module]) -> None:
         """Receive the models as the loop runs them (wrapped for data parallelism)."""

@@ -31,6 +31,7 @@ from distill.config.settings import TrainConfig
 from distill.models.few_step import check_grid, few_step_scheduler, rollout, student_grid
 from distill.models.flow_matching import (
     add_noise,
+    frame_change,
     high_noise_mask,
     motion_extras,
     per_sample_mse,
@@ -189,6 +190,12 @@ class DmdMethod(Method):
     def extra_models(cfg: TrainConfig) -> dict[str, tuple[str | None, str | None]]:
         return {"critic": (cfg.critic_config, cfg.critic_init)}
 
+    @staticmethod
+    def needs_clean_latents(cfg: TrainConfig) -> bool:
+        """Backward simulation starts from noise and the scores come from the teacher and the critic:
+        only `data` inputs and the regression term read the teacher's samples."""
+        return cfg.dmd_inputs == "data" or cfg.regression_weight > 0
+
     # -- schedule of updates -------------------------------------------------------------------
     def updates(self, step: int) -> list[str]:
         """Every step trains the critic; every `critic_updates`-th (from the first) also the student, first."""
@@ -231,8 +238,8 @@ class DmdMethod(Method):
         per backward, so both ride in one batch. Returns (x0_hat, that estimate or None, the step).
         """
         env, device = self.env, self.env.device
-        shape = tuple(batch["x0"].shape)
-        n = shape[0]
+        n = cond.shape[0]
+        shape = tuple(batch["x0"].shape) if "x0" in batch else (n, *env.latent_shape)
         k = self.step_choices[rng.integer(len(self.step_choices))]
         if self.cfg.dmd_inputs == "simulate":
             # Backward simulation: the student's own rollout from noise, without gradient, to step k.
@@ -303,9 +310,18 @@ class DmdMethod(Method):
         self, x0_hat: torch.Tensor, batch: dict[str, torch.Tensor], step: int
     ) -> dict[str, torch.Tensor]:
         """Motion extras of the student's samples against the teacher's cached latents of the same
-        prompts (see `final_step_motion`)."""
-        teacher = batch["x0"].to(self.env.device, torch.float32, non_blocking=True)
-        return final_step_motion(x0_hat, teacher, final=step == len(self.timesteps) - 1)
+        prompts (see `final_step_motion`), or, when the batch has none (data-free), against the
+        teacher's mean motion over the reference prompts."""
+        final = step == len(self.timesteps) - 1
+        if "x0" in batch:
+            teacher = batch["x0"].to(self.env.device, torch.float32, non_blocking=True)
+            return final_step_motion(x0_hat, teacher, final)
+        reference = self.env.reference_motion()
+        ours = frame_change(x0_hat.detach())
+        if reference is None or ours is None:
+            return {}
+        extras = {"motion": ours, "teacher_motion": torch.full_like(ours, reference)}
+        return extras if final else {name: torch.zeros_like(value) for name, value in extras.items()}
 
     def generator_loss(
         self, batch: dict[str, torch.Tensor], cond: torch.Tensor, rng: BatchRandomness
