@@ -14,7 +14,7 @@ SEED ?= 0
 # runs (the teacher-latent cache took 21 s against 3 min beside another job).
 DEMO_ENV := OMP_NUM_THREADS=1
 
-.PHONY: demo demo-clips test lint format clean toy-stage1 toy-stage1-clips
+.PHONY: demo demo-clips test gpu-check lint format clean toy-stage1 toy-stage1-clips
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -91,6 +91,13 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 	$(PY) test_error_handling.py
+
+# On a CUDA machine, what CI cannot run: the gpu-marked tests, the two-rank sharded LoRA run on NCCL
+# (two GPUs or more), distill.bench at the 1.3B preset eager and compiled, and the teacher streamed from
+# CPU against a resident one at 81 frames: a table, and outputs/gpu-check/gpu_check.json. Without CUDA
+# it says so and exits 0 (distill/gpu_check.py).
+gpu-check: $(STAMP)
+	$(PY) -m distill.gpu_check
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

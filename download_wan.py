@@ -3,6 +3,9 @@ or write a tiny random teacher for tests and offline demos.
 
     # The Wan 2.2 T2V A14B teacher (~120 GB) into models/Wan2.2-T2V-A14B-Diffusers:
     python download_wan.py
+    # Its configs only (no weights): enough for `train_distillation.py --config <recipe> --dry_run`
+    # to print the plan (memory per GPU, GPU-hours) before the 120 GB download:
+    python download_wan.py --configs_only
     # The Wan 2.1 T2V 1.3B model, whose transformer/ can initialise the student:
     python download_wan.py --preset wan2.1-t2v-1.3b
     # Any repository, revision, folder and token (the token defaults to $HF_TOKEN):
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distill.models.layout import (
+    CONFIG_PATTERNS,
     DIFFUSERS_COMPONENTS,
     ORIGINAL_COMPONENTS,
     missing_components,
@@ -118,8 +122,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_output_folder(args: argparse.Namespace) -> None:
-    """The folder this command will write, proven writable before it downloads or builds anything."""
+    """The folder this command will write, proven writable before it downloads or builds anything,
+    and the folder it reads (--verify, --convert SRC) a folder, not a file (a missing one is reported
+    with what a teacher folder must hold)."""
     from distill.ops.output_dir import writable_folder
+    from distill.ops.paths import Kind, PathFlag, check_paths
+
+    check_paths(
+        [
+            PathFlag("--verify", args.verify, Kind.FOLDER, must_exist=False),
+            PathFlag(
+                "--convert SRC", args.convert[0] if args.convert else None, Kind.FOLDER, must_exist=False
+            ),
+        ]
+    )
 
     for flag, value in (
         ("--toy", args.toy),
@@ -135,7 +151,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="download_wan.py",
         description="Download the Wan 2.2 teacher, verify a teacher folder, or write a tiny test teacher.",
-        epilog="Exit codes: 0 OK, 2 usage error, 4 --tiny folder refused, 5 download or teacher folder problem.",
+        epilog="Exit codes: 0 OK, 2 usage error, 3 a path of the wrong kind (a file for a folder) or not "
+        "writable, 4 --tiny folder refused, 5 download or teacher folder problem.",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--tiny", metavar="DIR", help="write a tiny random teacher to DIR (no network)")
@@ -160,6 +177,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--local_dir", help="download folder (default: models/<repository name>)")
     parser.add_argument("--revision", help="branch, tag or commit of the repository")
     parser.add_argument("--token", help="Hub access token (default: $HF_TOKEN, then `hf auth login`)")
+    parser.add_argument(
+        "--configs_only",
+        action="store_true",
+        help="fetch only the configs (model_index.json, each component's config, the scheduler's and the "
+        "tokenizer's: well under a MB, no weights): enough for train_distillation.py --dry_run to print a "
+        "recipe's memory and GPU-hours; the same command without it fetches the rest later",
+    )
     parser.add_argument("--seed", type=int, help="with --tiny: seed of the random weights (default: 0)")
     parser.add_argument("--overwrite", action="store_true", help="with --tiny: replace a non-empty DIR")
     parser.add_argument(
@@ -182,6 +206,7 @@ def _reject_stray_options(parser: argparse.ArgumentParser, args: argparse.Namesp
             ("--local_dir", args.local_dir),
             ("--revision", args.revision),
             ("--token", args.token),
+            ("--configs_only", args.configs_only or None),
         )
         if value is not None
     ]
@@ -203,20 +228,60 @@ def download(args: argparse.Namespace) -> int:
     preset = _resolve_preset(args.preset, args.repo_id)
     local_dir = Path(args.local_dir or Path("models") / preset.repo_id.split("/")[-1])
     token = args.token or os.environ.get("HF_TOKEN") or None
+    check = _check_configs if args.configs_only else _check_download
     if _offline_requested():
         # Decided here rather than by snapshot_download, which returns a partial local_dir with
         # only a warning when offline.
         if missing_components(local_dir, preset.required):
             raise hub_unreachable(preset, local_dir, "HF_HUB_OFFLINE is set")
         print(f"HF_HUB_OFFLINE is set: not contacting the Hub, checking the existing {local_dir}")
-        return _check_download(preset, local_dir)
-    print(f"Downloading {preset.repo_id} ({preset.role}) into {local_dir} (resumes if interrupted)")
+        return check(preset, local_dir)
+    what = "its configs only" if args.configs_only else "resumes if interrupted"
+    print(f"Downloading {preset.repo_id} ({preset.role}) into {local_dir} ({what})")
     try:
-        _snapshot(preset, local_dir, args.revision, token)
+        _snapshot(preset, local_dir, args.revision, token, CONFIG_PATTERNS if args.configs_only else None)
     except KeyboardInterrupt:
         print("\nInterrupted: run the same command again to resume the download.", file=sys.stderr)
         return 130  # the shell's code for Ctrl-C
-    return _check_download(preset, local_dir)
+    return check(preset, local_dir)
+
+
+def _check_configs(preset: Preset, local_dir: Path) -> int:
+    """After --configs_only: every config a --dry_run plan reads is there (weights are not expected)."""
+    problems = [f"missing {name}" for name in missing_components(local_dir, preset.required)]
+    for name in preset.required:
+        folder = local_dir / name.rstrip("/")
+        if folder.is_dir() and folder.name in COMPONENT_CONFIGS:
+            problems += [
+                f"{name}{c} is missing" for c in COMPONENT_CONFIGS[folder.name] if not (folder / c).is_file()
+            ]
+    if preset.required == DIFFUSERS_COMPONENTS:
+        problems += _model_index_problems(local_dir / "model_index.json")
+    if problems:
+        raise DistillError(
+            f"The configs of {preset.repo_id} are incomplete",
+            _problem_details(local_dir, problems),
+            causes=[
+                "The download was interrupted.",
+                "The repository does not have the Wan diffusers layout.",
+            ],
+            fixes=["Run the same command again."],
+            stage=Stage.TEACHER_LOAD,
+        )
+    names = {p.repo_id: name for name, p in PRESETS.items()}
+    source = (
+        f" --repo_id {preset.repo_id}"
+        if preset.repo_id not in names
+        else ("" if names[preset.repo_id] == DEFAULT_PRESET else f" --preset {names[preset.repo_id]}")
+    )
+    print(
+        f"OK: {local_dir} holds the configs of {preset.repo_id}, no weights: enough for a plan, e.g.\n"
+        f"  python train_distillation.py --config config/recipes/<recipe>.yaml --teacher_path {local_dir} "
+        "--dry_run\n"
+        "Fetch the weights into the same folder before training (the same command without --configs_only):\n"
+        f"  python download_wan.py{source} --local_dir {local_dir}"
+    )
+    return 0
 
 
 def _resolve_preset(preset_name: str | None, repo_id: str | None) -> Preset:
@@ -227,14 +292,21 @@ def _resolve_preset(preset_name: str | None, repo_id: str | None) -> Preset:
     return known.get(repo_id, Preset(repo_id, DIFFUSERS_COMPONENTS, "teacher"))
 
 
-def _snapshot(preset: Preset, local_dir: Path, revision: str | None, token: str | None) -> None:
+def _snapshot(
+    preset: Preset,
+    local_dir: Path,
+    revision: str | None,
+    token: str | None,
+    allow_patterns: Sequence[str] | None = None,
+) -> None:
     # Imported here so that --help and --verify stay fast.
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     repo_id = preset.repo_id
+    patterns = {"allow_patterns": list(allow_patterns)} if allow_patterns else {}
     try:
-        snapshot_download(repo_id=repo_id, local_dir=local_dir, revision=revision, token=token)
+        snapshot_download(repo_id=repo_id, local_dir=local_dir, revision=revision, token=token, **patterns)
     except GatedRepoError as error:
         raise _access_error(repo_id, "the repository is gated", error) from None
     except RevisionNotFoundError as error:

@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "student vs teacher: eval.json and eval.png (toy world: its scores)",
     ),
     "bench": ("distill.bench", "time the training step against a bare loop: phases, memory, MFU"),
+    "gpu-check": (
+        "distill.gpu_check",
+        "on a CUDA machine: gpu tests, NCCL, the 1.3B bench, the streamed teacher (make gpu-check)",
+    ),
     "doctor": (
         "distill.doctor",
         "check the machine before a long run: CUDA, NCCL, ranks, the teacher",

@@ -30,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from distill.config.settings import PROMPT_SUFFIXES
 from distill.ops.errors import DistillError, Stage, report
+from distill.ops.paths import Kind, PathFlag, check_paths
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = REPO / "data" / "toy_sample_prompts.txt"
@@ -260,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from distill.data.prompts import read_prompts
 
+        check_paths(  # before the models sample the picture
+            [
+                PathFlag("--prompts", args.prompts, Kind.FILE, suffixes=PROMPT_SUFFIXES),
+                PathFlag("--output", args.output, Kind.OUTPUT_FILE, example="summary.png"),
+            ]
+        )
         result = read_eval(args.eval)
         rows = rows_of(result)
         prompts = read_prompts(args.prompts, "--prompts")[:PICTURES]

@@ -3,7 +3,8 @@
     python -m distill.doctor [--teacher_path DIR]
     torchrun --standalone --nproc_per_node=8 -m distill.doctor [--teacher_path DIR]
 
-Each rank prints its checks and ends with PASS or the list of what failed (exit code 0 / 1).
+Each rank prints its checks and ends with PASS or the list of what failed (exit code 0 / 1); a
+--teacher_path that cannot be a teacher (a file, or a path under one) is refused first (exit code 3).
 Under torchrun it also forms the process group and all-reduces across every rank, which is
 the part of a training launch that most often fails on a new cluster.
 """
@@ -20,7 +21,8 @@ import torch
 
 from distill.config.settings import finite_float
 from distill.ops import distributed
-from distill.ops.errors import DistillError
+from distill.ops.errors import DistillError, report
+from distill.ops.paths import Kind, PathFlag, check_paths
 
 
 def _check(name: str, fn: Callable[[], str], results: list[tuple[str, bool, str]]) -> None:
@@ -72,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         "--dist_timeout", type=finite_float, default=5.0, help="minutes to wait for the other ranks"
     )
     args = parser.parse_args(argv)
+    try:  # a file given as the teacher is the user's mistake, not the machine's: a banner, not a FAIL
+        check_paths([PathFlag("--teacher_path", args.teacher_path, Kind.FOLDER_OR_HUB)])
+    except DistillError as error:
+        return report(error)
     rank = os.environ.get("RANK")
     prefix = f"[Rank {rank}] " if rank is not None else ""
     results: list[tuple[str, bool, str]] = []

@@ -56,7 +56,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from distill.config.settings import finite_float
+from distill.config.settings import PROMPT_SUFFIXES, finite_float
 from distill.models.teacher import resolve_dtype
 from distill.ops.errors import DistillError, Stage, report
 from distill.report.measures import DEFAULT_MAX_SEQUENCE_LENGTH, EvalSettings
@@ -190,6 +190,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     from distill.models.pipelines import check_sample_size, encode_prompts
     from distill.models.teacher import inspect_teacher, load_expert
     from distill.ops.output_dir import writable_folder
+    from distill.ops.paths import Kind, PathFlag, check_paths
     from distill.sample.student_folder import (
         load_lora_student,
         load_student,
@@ -200,8 +201,16 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         trained_size_fix,
     )
 
+    # Every path before anything loads or samples; the student first, as the command's subject.
+    check_paths([PathFlag("--student", args.student, Kind.FOLDER, must_exist=False)])
     student_dir = require_student_folder(args.student, teacher_only=False)
-    writable_folder(args.output_dir, "--output_dir", create=False)  # before anything loads or samples
+    check_paths(
+        [
+            PathFlag("--teacher_path", args.teacher_path, Kind.FOLDER_OR_HUB),
+            PathFlag("--prompts", args.prompts, Kind.FILE, suffixes=PROMPT_SUFFIXES),
+        ]
+    )
+    writable_folder(args.output_dir, "--output_dir", create=False)
     found = resolve_defaults(args)
     for name in (
         "steps",

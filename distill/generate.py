@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from distill.config.settings import finite_float
+from distill.config.settings import PROMPT_SUFFIXES, finite_float
 from distill.models.lora_files import FILES, is_lora_folder
 from distill.models.pipelines import (
     check_sample_size,
@@ -50,6 +50,7 @@ from distill.models.pipelines import (
 from distill.models.teacher import TeacherInfo, resolve_dtype
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.output_dir import writable_folder
+from distill.ops.paths import Kind, PathFlag, check_paths
 from distill.sample.media import media_suffix, write_frames, write_side_by_side_gif
 from distill.sample.run_settings import (
     RunSettings,
@@ -215,10 +216,23 @@ def check_counts(args: argparse.Namespace) -> None:
         )
 
 
+def path_flags(args: argparse.Namespace) -> list[PathFlag]:
+    """This command's paths (distill.ops.paths). --output is a file for one prompt, a folder for
+    several (decided once the prompts are read), so only an existing folder is judged as a folder."""
+    output = Kind.OUTPUT_FOLDER if Path(args.output).is_dir() else Kind.OUTPUT_FILE
+    return [
+        PathFlag("--student", args.student, Kind.FOLDER, must_exist=False),
+        PathFlag("--teacher_path", args.teacher_path, Kind.FOLDER_OR_HUB),
+        PathFlag("--prompts_file", args.prompts_file, Kind.FILE, suffixes=PROMPT_SUFFIXES),
+        PathFlag("--output", args.output, output, example="sample.png"),
+    ]
+
+
 def generate(args: argparse.Namespace) -> list[Path]:
     """Render every prompt and write it; returns the written files."""
     from distill.models.teacher import inspect_teacher
 
+    check_paths(path_flags(args), probe=False)  # kinds first; the output's folder is probed below
     if not args.teacher_only and not args.student:
         raise DistillError(
             "--student is required",

@@ -9,8 +9,10 @@ changes between runs: a rank starved of CPU, a worker that dies a moment earlier
 run here starts the trainer as a user would (plain python, or the real torchrun with two CPU
 processes on gloo) on a tiny random Wan 2.2 teacher, injects one failure (DISTILL_INJECT_FAULT,
 see distill/ops/faults.py), then checks the exit code and the banner of every rank, and that the same
-command with `--resume auto` finishes from what the failure left in the checkpoint folder. With a
-CPU hog, busy processes take every core while the run goes on, as on a shared node.
+command with `--resume auto` finishes from what the failure left in the checkpoint folder. One
+scenario is the opposite case: a healthy step slower than --stall_timeout (slow_step), which must
+finish with no report at all. With a CPU hog, busy processes take every core while the run goes
+on, as on a shared node.
 
 The suite runs each scenario a few times (tests/test_stress.py); the figures of long runs are
 recorded in TORCHRUN_ERROR_FIXES.md. Exit code: 0 when every run ended as expected, 1 otherwise.
@@ -19,6 +21,7 @@ recorded in TORCHRUN_ERROR_FIXES.md. Exit code: 0 when every run ended as expect
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -31,6 +34,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from distill.ops.errors import DistillError, report
+from distill.ops.paths import Kind, PathFlag, check_paths
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_STEPS = 6
@@ -130,6 +136,29 @@ WAITING_RANK_REPORTS = (
 )
 
 
+def _check_hang_in_forward(outcome: Outcome) -> list[str]:
+    """As a hang before the step, and the hung rank's stack shows it stuck inside a forward."""
+    return _check_hang(outcome) + _needs(outcome, "in _in_forward")
+
+
+SLOW_STEP = 3
+SLOW_TIMEOUT_S = 6.0  # the slow scenario's --stall_timeout (0.1 min); each forward sleeps far less
+
+
+def _check_slow_step(outcome: Outcome) -> list[str]:
+    """Finished normally, no stall report, and the slow step really outlasted --stall_timeout."""
+    problems = [] if outcome.returncode == 0 else [f"exit code {outcome.returncode}, expected 0"]
+    if "stall watchdog" in outcome.stderr or "ERROR" in outcome.stderr:
+        problems.append("a healthy slow step was reported as a failure")
+    metrics = outcome.output_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    rate = next((row.get("steps_per_s") for row in rows if row["step"] == SLOW_STEP), None)
+    if not rate or 1 / rate <= SLOW_TIMEOUT_S:
+        took = f"{1 / rate:.1f} s" if rate else "no figure"
+        problems.append(f"step {SLOW_STEP} took {took}: not longer than the {SLOW_TIMEOUT_S:g} s timeout")
+    return problems
+
+
 def _check_exception(outcome: Outcome) -> list[str]:
     problems = _needs(outcome, "[Rank 0] ERROR (internal): unexpected InjectedFault during training, step 4")
     root = outcome.stderr[outcome.stderr.find("Root Cause") :] if "Root Cause" in outcome.stderr else ""
@@ -165,6 +194,22 @@ SCENARIOS: dict[str, Scenario] = {
             "hang:3@1",
             _check_hang,
             {"--stall_timeout": "0.1", "--num_steps": "8"},
+        ),
+        Scenario(
+            "hang_in_forward",
+            "two ranks; rank 1 gets stuck in its third forward of step 3, after signalling progress",
+            2,
+            "hang_forward:3@1",
+            _check_hang_in_forward,
+            {"--stall_timeout": "0.1", "--num_steps": "8"},
+        ),
+        Scenario(
+            "slow_step",
+            "two ranks; step 3 is slow on both (1 s in every forward), longer than --stall_timeout",
+            2,
+            f"slow:{SLOW_STEP}",
+            _check_slow_step,
+            {"--stall_timeout": f"{SLOW_TIMEOUT_S / 60:g}", "--gradient_accumulation_steps": "2"},
         ),
         Scenario(
             "exception_one_rank",
@@ -239,7 +284,10 @@ def resume_problems(nproc: int, flags: dict[str, str], output_dir: Path) -> list
     resumed = run_trainer(nproc, flags, output_dir, fault=None)
     problems = []
     if resumed.returncode != 0:
-        problems.append(f"--resume auto exited {resumed.returncode}:\n{resumed.stderr[-1500:]}")
+        kept = keep_stderr(resumed, "resume")
+        problems.append(
+            f"--resume auto exited {resumed.returncode} (all of stderr: {kept}):\n{resumed.stderr[-1500:]}"
+        )
     elif had and "resumed from" not in resumed.stderr:
         problems.append(f"--resume auto did not resume from {had[-1]}")
     return problems
@@ -265,8 +313,16 @@ def run_scenario(scenario: Scenario, workdir: Path, index: int) -> list[str]:
     outcome = run_trainer(scenario.nproc, flags, output_dir, scenario.fault)
     problems = scenario.check(outcome)
     if problems:
-        return [*problems, f"--- stderr (end):\n{outcome.stderr[-3000:]}"]
+        kept = keep_stderr(outcome, "run")
+        return [*problems, f"--- stderr (end; all of it: {kept}):\n{outcome.stderr[-3000:]}"]
     return resume_problems(scenario.nproc, flags, output_dir)
+
+
+def keep_stderr(outcome: Outcome, name: str) -> Path:
+    """A failed run's whole stderr beside its output folder (the report shows only its end)."""
+    path = outcome.output_dir.with_name(f"{outcome.output_dir.name}.{name}.stderr.txt")
+    path.write_text(outcome.stderr)
+    return path
 
 
 def kill_during_checkpoint(workdir: Path, index: int, seed: int | None = None) -> list[str]:
@@ -387,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    try:  # before the first scenario starts
+        check_paths([PathFlag("--workdir", args.workdir, Kind.OUTPUT_FOLDER)])
+    except DistillError as error:
+        return report(error)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="distill-stress-"))
     failures = stress(args.scenario or names, args.runs, args.hog, workdir)
     total = args.runs * len(args.scenario or names)

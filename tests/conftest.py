@@ -25,6 +25,23 @@ A14B_EXPERT = dict(
     rope_max_seq_len=1024,
 )
 
+# A small WanTransformer3DModel config (2 heads x 16, 2 layers) for plans and FLOP counts that run the
+# real model: override what a test varies.
+SMALL_EXPERT = dict(
+    patch_size=[1, 2, 2],
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=16,
+    out_channels=16,
+    text_dim=24,
+    freq_dim=32,
+    ffn_dim=48,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=64,
+)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules marked `long` run first: `make test` hands whole modules to its two workers

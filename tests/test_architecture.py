@@ -31,6 +31,7 @@ COMMANDS = {
     "distill.doctor",
     "distill.evaluate",
     "distill.generate",
+    "distill.gpu_check",
     "distill.stress",
     "distill.toy.stage_one",
 }

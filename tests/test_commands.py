@@ -17,6 +17,7 @@ EXPECTED = {
     "generate": "python -m distill.generate",
     "evaluate": "python -m distill.evaluate",
     "bench": "python -m distill.bench",
+    "gpu-check": "python -m distill.gpu_check",
     "doctor": "python -m distill.doctor",
     "stress": "python -m distill.stress",
     "download": "python download_wan.py",

@@ -252,12 +252,15 @@ def test_dry_run_plan_adds_the_critic_and_says_which_placements_fit():
     )
     cfg, cpu = parse_config(argv), torch.device("cpu")
     plan = memory_plan(cfg, info, student, cpu, critic_config=student)
-    assert "critic+grads+AdamW" in plan and "fits an 80 GB GPU" in plan
+    assert "critic+AdamW" in plan and "fits an 80 GB GPU" in plan
     assert plan.splitlines()[-1].endswith("gpu no, cpu yes")
-    with_critic = estimate(cfg, info, student, cpu, "gpu", 1, student).total
+    with_critic = estimate(cfg, info, student, cpu, "gpu", 1, student)
     without = estimate(cfg, info, student, cpu, "gpu", 1).total
-    # A14B in bf16 (53 GiB) + a 1.3B student and a 1.3B critic with AdamW (21 GiB each)
-    assert 90 < with_critic / 2**30 < 100 and with_critic - without == pytest.approx(16 * 1.42e9, rel=0.01)
+    # A14B in bf16 (53 GiB) + a 1.3B student and a 1.3B critic with AdamW (16 GiB each); one model's
+    # gradients at a time (in the measured step peak)
+    assert with_critic.critic == pytest.approx(12 * 1.42e9, rel=0.01)
+    assert 85 < with_critic.total / 2**30 < 100 and with_critic.total - without >= with_critic.critic
+    with_critic = with_critic.total
     assert estimate(cfg, info, student, cpu, "cpu", 1, student).total / 2**30 < 67  # fits on 80 GB
 
 

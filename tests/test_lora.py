@@ -508,7 +508,7 @@ def test_the_memory_plan_holds_the_experts_once_and_counts_what_each_phase_train
 
     cfg, both = plan()
     _, high = plan(expert_phase="high")
-    adapters_one_expert = 16 * 307e6  # fp32 weights, grads, two AdamW moments
+    adapters_one_expert = 12 * 307e6  # fp32 weights, two AdamW moments (gradients: in the step's peak)
     assert both.teacher / gib == pytest.approx(53.3, abs=0.5)  # the two experts, once, in bf16
     assert both.student == pytest.approx(2 * adapters_one_expert, rel=0.01) and both.critic == pytest.approx(
         both.student
@@ -520,7 +520,8 @@ def test_the_memory_plan_holds_the_experts_once_and_counts_what_each_phase_train
     # whole adapters: both experts' adapters and a LoRA critic then fit an 80 GB GPU.
     sharded = estimate(cfg, info, a14b, cpu, "shard", 8, a14b)
     assert sharded.teacher / gib == pytest.approx(53.3 / 8 + 2 * 53.3 / 2 / 40, abs=0.1)
-    assert sharded.student == both.student and sharded.total < both.total - 45 * gib
+    # (DDP's gradient buckets of both adapter sets, 4.6 GiB, come with the 8 ranks)
+    assert sharded.student == both.student and sharded.total < both.total - 40 * gib
     eight = memory_plan(cfg, info, a14b, cpu, world_size=8, critic_config=a14b)
     verdict = eight.splitlines()[-1]
     assert "shard yes" in verdict and "cpu" not in verdict  # a LoRA run never streams its experts

@@ -1,6 +1,8 @@
 """Every recipe in config/recipes/ is a config file the trainer reads, and what its header promises
-holds: the command parses, the memory plan for the real A14B sizes fits the recipe's GPUs, and the
-memory per GPU the header states is the plan's.
+holds: the command parses, the plan for the real A14B sizes fits the recipe's GPUs, the memory per GPU
+and the GPU-hours the header states are the plan's (and docs/recipes.md's table says the same), the
+runs this project ships stay within their compute budgets, and each recipe's stall_timeout is far
+above the plan's longest stretch between two watchdog beats.
 
 The teacher is described, not loaded: the A14B expert's config (as in its transformer/config.json)
 is enough for the plan, so the test needs no weights and no GPU."""
@@ -13,20 +15,25 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import A14B_EXPERT, REPO
 
 from distill.config.cli import parse_config
 from distill.models.student_config import load_student_config
 from distill.models.teacher import TeacherInfo
-from distill.train.plan import GIB, HEADROOM, REFERENCE_GPU_BYTES, estimate, memory_plan
+from distill.train.cost import STALL_MARGIN, RunCost, RunCounts, hours_text, run_cost
+from distill.train.plan import GIB, HEADROOM, REFERENCE_GPU_BYTES, estimate, memory_plan, teacher_bytes
 
 RECIPES = sorted((REPO / "config" / "recipes").glob("*.yaml"))
 A14B = TeacherInfo(Path("models/Wan2.2-T2V-A14B-Diffusers"), 0.875, 3.0, A14B_EXPERT, 8, 4)
 MEMORY = re.compile(
     r"Memory per GPU \(--dry_run plan, (\d+) ranks?, teacher (sharded|on the CPU|on the GPU)\): ([\d.]+) GiB"
 )
+HOURS = re.compile(r"GPU-hours \(--dry_run plan, H100 at MFU ([\d.]+)\): ([\d.]+)")
 PLACEMENT_WORDS = {"sharded": "shard", "on the CPU": "cpu", "on the GPU": "gpu"}
 GPU_MEMORY = re.compile(r"^# GPU memory: (\d+) GB$", re.M)  # stated when it is not an 80 GB GPU
+# The compute the shipped multi-GPU runs may take (the plan's own GPU-hours).
+BUDGETS = {"a14b-1.3b-stage1-8x80gb": 80, "a14b-1.3b-stage2-dmd-8x80gb": 60, "a14b-lora-4step-8x80gb": 260}
 
 
 def header(recipe: Path) -> str:
@@ -46,6 +53,28 @@ def command(recipe: Path) -> tuple[int, list[str]]:
     return nproc, words[script + 1 :]
 
 
+def planned(recipe: Path) -> tuple[int, object, float, RunCost, str]:
+    """(world size, config, memory per GPU in bytes, the run's cost, the memory plan's text) of the
+    recipe's command, as its --dry_run prints them."""
+    world, argv = command(recipe)
+    cfg = parse_config([*argv[:1], str(REPO / argv[1]), *argv[2:]])
+    if cfg.student_lora_rank:  # the student (and the critic) are the teacher's experts with adapters
+        student = critic = A14B_EXPERT
+    else:
+        student = load_student_config(REPO / cfg.student_config, A14B_EXPERT)
+        critic = None
+        if cfg.method == "dmd":
+            critic = load_student_config(REPO / (cfg.critic_config or cfg.student_config), A14B_EXPERT)
+            assert cfg.student_init != "random"
+    cpu, node = torch.device("cpu"), min(world, 8)
+    need = estimate(cfg, A14B, student, cpu, cfg.teacher_placement, world, critic, node).total
+    counts = RunCounts.from_config(cfg)
+    experts = teacher_bytes(A14B, torch.bfloat16)[0]
+    cost = run_cost(cfg, A14B, student, critic, counts, world, cfg.teacher_placement, experts)
+    plan = memory_plan(cfg, A14B, student, cpu, world, node, critic_config=critic)
+    return world, cfg, need, cost, plan
+
+
 def test_there_are_recipes_for_both_stages_on_one_and_on_eight_gpus():
     names = {r.stem for r in RECIPES}
     assert {
@@ -57,34 +86,24 @@ def test_there_are_recipes_for_both_stages_on_one_and_on_eight_gpus():
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.stem)
-def test_the_recipe_parses_fits_its_gpus_and_states_the_plans_memory(recipe: Path):
+def test_the_recipe_parses_fits_its_gpus_and_states_the_plans_memory_and_gpu_hours(recipe: Path):
     text = header(recipe)
     assert text.startswith("# ") and "Makes " in text, "the header says what the recipe makes"
+    assert "download_wan.py --configs_only" in text, "the header says how to plan before the download"
     world, argv = command(recipe)
     assert argv[:2] == ["--config", f"config/recipes/{recipe.name}"], "the command runs this very file"
-    cfg = parse_config([*argv[:1], str(REPO / argv[1]), *argv[2:]])
     # Also with the paths a user passes on top: flags win over the file.
     moved = parse_config(["--config", str(recipe), "--teacher_path", "/data/wan", "--output_dir", "/runs/x"])
+    world, cfg, need, cost, plan = planned(recipe)
     assert (moved.teacher_path, moved.output_dir, moved.method) == ("/data/wan", "/runs/x", cfg.method)
 
     # The plan is the one --dry_run prints: placement named (auto would depend on the machine), bf16 teacher.
     assert cfg.teacher_placement in ("gpu", "cpu", "shard") and cfg.teacher_dtype == "bfloat16"
     assert (cfg.teacher_placement == "shard") == (world > 1)
-    if cfg.student_lora_rank:  # the student (and the critic) are the teacher's experts with adapters
-        student = critic = A14B_EXPERT
-    else:
-        student = load_student_config(REPO / cfg.student_config, A14B_EXPERT)
-        critic = None
-        if cfg.method == "dmd":
-            critic = load_student_config(REPO / (cfg.critic_config or cfg.student_config), A14B_EXPERT)
-            assert cfg.student_init != "random"
-    cpu = torch.device("cpu")
-    need = estimate(cfg, A14B, student, cpu, cfg.teacher_placement, world, critic).total
     gpu = GPU_MEMORY.search(text)
     capacity = float(gpu[1]) * 1e9 if gpu else REFERENCE_GPU_BYTES
     usable = capacity * HEADROOM
     assert need <= usable, f"{recipe.name}: {need / GIB:.2f} GiB per GPU, {usable / GIB:.1f} usable"
-    plan = memory_plan(cfg, A14B, student, cpu, world, min(world, 8), critic_config=critic)
     verdict = next(line for line in plan.splitlines() if line.startswith("fits "))
     assert f"{cfg.teacher_placement} {'yes' if not gpu else 'no'}" in verdict, plan  # the plan measures 80 GB
 
@@ -95,3 +114,35 @@ def test_the_recipe_parses_fits_its_gpus_and_states_the_plans_memory(recipe: Pat
     ranks, where, gib = int(stated[1]), PLACEMENT_WORDS[stated[2]], float(stated[3])
     assert (ranks, where) == (world, cfg.teacher_placement)
     assert gib == round(need / GIB, 2), f"the plan says {need / GIB:.2f} GiB"
+
+    hours = HOURS.search(text)
+    assert hours, f"{recipe.name}: the header states 'GPU-hours (--dry_run plan, H100 at MFU M): H'"
+    assert float(hours[1]) == cfg.mfu and hours[2] == hours_text(cost.gpu_hours()), (
+        f"the plan says {hours_text(cost.gpu_hours())} GPU-hours at MFU {cfg.mfu}"
+    )
+    if recipe.stem in BUDGETS:
+        assert cost.gpu_hours() <= BUDGETS[recipe.stem]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.stem)
+def test_the_watchdog_cannot_stop_a_healthy_step_of_the_recipe(recipe: Path):
+    """The watchdog beats at least once per model forward and backward: the recipe's stall_timeout,
+    set in the file itself, must outlast the plan's longest beat-free stretch many times over (a step
+    that runs STALL_MARGIN times slower than planned is slow, not hung)."""
+    settings = yaml.safe_load(recipe.read_text())
+    assert "stall_timeout" in settings, f"{recipe.name} sets stall_timeout for its step time"
+    _, cfg, _, cost, _ = planned(recipe)
+    assert cfg.stall_timeout * 60 >= STALL_MARGIN * cost.beat_free_seconds, (
+        f"{cost.beat_free_what}: {cost.beat_free_seconds:.1f} s; stall_timeout {cfg.stall_timeout} min"
+    )
+    assert cfg.stall_timeout < cfg.dist_timeout, "a hang is reported before a collective times out"
+
+
+def test_the_recipes_page_shows_each_recipes_plan():
+    """docs/recipes.md's table: the memory per GPU and the GPU-hours of every recipe, as planned."""
+    page = (REPO / "docs" / "recipes.md").read_text()
+    for recipe in RECIPES:
+        _, _, need, cost, _ = planned(recipe)
+        row = next(line for line in page.splitlines() if line.startswith(f"| [`{recipe.name}`]"))
+        cells = [cell.strip() for cell in row.split("|")]
+        assert f"{need / GIB:.2f} GiB" in cells and hours_text(cost.gpu_hours()) in cells, row

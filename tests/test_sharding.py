@@ -71,27 +71,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_nodes_on_one_machine_finish_with_identical_students(tiny_teacher, tmp_path):
+def run_two_nodes(
+    args: list, per_node: int | tuple[int, int], run_id: str, script: str = "train_distillation.py"
+) -> str:
+    """Two torchrun agents on this machine as two nodes of `per_node` ranks each (or of the pair's
+    sizes); `script` must succeed on every rank. Returns their logs."""
+    sizes = per_node if isinstance(per_node, tuple) else (per_node, per_node)
     port = _free_port()
-    args = train_args(
-        tiny_teacher,
-        tmp_path / "out",
-        tmp_path / "cache",
-        num_steps=4,
-        batch_size=1,
-        teacher_placement="shard",
-    )
     nodes = [
         subprocess.Popen(
             [
                 *TORCHRUN,
                 "--nnodes=2",
                 f"--node-rank={rank}",
-                "--nproc_per_node=1",
+                f"--nproc_per_node={sizes[rank]}",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=two-nodes",
-                str(REPO / "train_distillation.py"),
+                f"--rdzv-id={run_id}",
+                str(REPO / script),
                 *map(str, args),
             ],
             stdout=subprocess.PIPE,
@@ -105,8 +102,52 @@ def test_two_nodes_on_one_machine_finish_with_identical_students(tiny_teacher, t
     results = [node.communicate(timeout=300) for node in nodes]
     for node, (_out, err) in zip(nodes, results):
         assert node.returncode == 0, err[-3000:]
-    logs = "".join(out + err for out, err in results)
+    return "".join(out + err for out, err in results)
+
+
+def test_two_nodes_on_one_machine_finish_with_identical_students(tiny_teacher, tmp_path):
+    args = train_args(
+        tiny_teacher,
+        tmp_path / "out",
+        tmp_path / "cache",
+        num_steps=4,
+        batch_size=1,
+        teacher_placement="shard",
+    )
+    logs = run_two_nodes(args, per_node=1, run_id="two-nodes")
     # Every rank's student is compared (all_gather of per-tensor checksums) before the run ends.
     assert "all 2 ranks hold identical student weights" in logs
     assert "teacher placement: shard" in logs
+    # One rank per node has nothing to shard within a node: the experts stay sharded over both.
+    assert "teacher sharded over all 2 ranks of 2 nodes" in logs
     assert (tmp_path / "out" / "student").is_dir()
+
+
+def test_two_nodes_of_two_ranks_shard_within_each_node_and_match_one_flat_mesh(tiny_teacher, tmp_path):
+    """2 nodes x 2 ranks (HSDP: each expert sharded within a node, replicated across the two) trains
+    as a flat mesh of 2 ranks and as one process with the whole teacher do, on the same global batch
+    (4 = 1 x 4 ranks = 2 x 2 ranks = 4 x 1 process)."""
+    common = dict(num_steps=3, teacher_placement="shard")
+
+    def args(name: str, batch_size: int) -> list:
+        return train_args(tiny_teacher, tmp_path / name, tmp_path / "cache", batch_size=batch_size, **common)
+
+    launcher = [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
+    flat = run([*launcher, str(REPO / "train_distillation.py"), *map(str, args("flat", 2))])
+    assert "teacher sharded over all 2 ranks" in flat.stderr
+    # One process: `shard` falls back to a whole teacher (nothing to shard over).
+    run([sys.executable, str(REPO / "train_distillation.py"), *map(str, args("one", 4))])
+    logs = run_two_nodes(args("nodes", 1), per_node=2, run_id="two-by-two")
+    assert "teacher sharded within each node (2 ranks) and replicated across 2 nodes" in logs
+    assert "all 4 ranks hold identical student weights" in logs
+    assert_same_trajectory([tmp_path / "one", tmp_path / "flat"])
+    assert_same_trajectory([tmp_path / "one", tmp_path / "nodes"])
+
+
+def test_nodes_of_different_sizes_are_refused_by_every_rank_before_sharding():
+    """2 + 1 ranks: the node size (LOCAL_WORLD_SIZE) differs and WORLD_SIZE 3 is no multiple of 2.
+    Every rank refuses alike (a rank that went on alone would hang in the mesh's collectives)."""
+    logs = run_two_nodes([], per_node=(2, 1), run_id="uneven-nodes", script="tests/mesh_layout_check.py")
+    refusal = "refused: --teacher_placement shard across nodes needs the same number of ranks on every node"
+    for rank in range(3):
+        assert f"rank {rank} {refusal} (LOCAL_WORLD_SIZE from 1 to 2, WORLD_SIZE 3)" in logs, logs[-3000:]

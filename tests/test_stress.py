@@ -3,9 +3,10 @@ and banners every time, and the checkpoint folder always resumes. The hog is one
 suite itself keeps the other core busy (pytest -n 2).
 
 Four scenarios also run on a quiet machine in test_error_handling.py (a dead DataLoader worker, a
-hung rank, an exception and a SIGKILL on one rank), so here they run once, beside the hog; the two
-that run nowhere else (SIGTERM on one of two ranks, SIGKILL during a checkpoint save) run twice,
-once quiet and once beside the hog. `python -m distill.stress --runs N` is the long version of the
+hung rank, an exception and a SIGKILL on one rank), so here they run once, beside the hog; those
+that run nowhere else (SIGTERM on one of two ranks, SIGKILL during a checkpoint save, a rank stuck
+inside a forward, a healthy step slower than --stall_timeout) run twice, once quiet and once beside
+the hog. `python -m distill.stress --runs N` is the long version of the
 same runs (its figures are in TORCHRUN_ERROR_FIXES.md).
 """
 
@@ -25,6 +26,8 @@ RUNS = {
     "sigterm_one_rank": ONLY_HERE,
     "kill_one_rank": ALSO_IN_TEST_ERROR_HANDLING,
     "hang_one_rank": ALSO_IN_TEST_ERROR_HANDLING,
+    "hang_in_forward": ONLY_HERE,
+    "slow_step": ONLY_HERE,
     "exception_one_rank": ALSO_IN_TEST_ERROR_HANDLING,
     stress.CHECKPOINT_KILL: ONLY_HERE,
 }

@@ -47,7 +47,7 @@ def clip_dmd_run(toy_teacher, tmp_path_factory):
         height=32,
         width=32,
         num_frames=CLIP_FRAMES,
-        # The cached teacher latents only feed the drift and motion metrics (dmd inputs are simulated).
+        # Data-free dmd: the teacher samples only the 16 reference prompts, for the drift and motion metrics.
         teacher_sample_steps=2,
         batch_size=16,
         num_steps=300,

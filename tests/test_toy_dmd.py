@@ -49,7 +49,7 @@ def dmd_run(toy_teacher, tmp_path_factory):
         max_prompts=None,  # all 216
         height=32,
         width=32,
-        # The cached teacher latents only feed the drift metrics here (dmd inputs are simulated).
+        # Data-free dmd: the teacher samples only the 16 reference prompts, for the drift metrics.
         teacher_sample_steps=2,
         batch_size=16,
         num_steps=120,

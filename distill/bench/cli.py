@@ -49,6 +49,8 @@ from distill.bench.run import run_bench
 from distill.bench.settings import PRESETS, BenchSettings
 from distill.bench.table import format_table
 from distill.config.settings import finite_float
+from distill.ops.errors import DistillError, report
+from distill.ops.paths import Kind, PathFlag, check_paths
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchSettings, Path | Non
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     settings, json_path = parse_args(argv)
+    try:  # before the benchmark runs, not after: a bad --json would throw its minutes away
+        check_paths([PathFlag("--json", json_path, Kind.OUTPUT_FILE, example="bench.json")])
+    except DistillError as error:
+        raise SystemExit(report(error)) from None
     result = run_bench(settings)
     print(format_table(result))
     if json_path is not None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from distill.config.settings import TrainConfig, config_error, field_types
 from distill.ops.errors import DistillError, Stage
+from distill.ops.paths import Kind, PathFlag, check_paths
 
 # Flags of the origin project that map onto ours, so old launch scripts keep working.
 FLAG_ALIASES = {"--learning_rate": "--lr", "--epochs": "--num_epochs", "--max_steps": "--num_steps"}
@@ -120,10 +121,7 @@ def _did_you_mean(word: str, candidates: list[str]) -> str:
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON mapping of TrainConfig fields, refusing unknown keys with a suggestion."""
     path = Path(path)
-    if not path.is_file():
-        raise DistillError(
-            f"config file not found: {path}", fixes=["check the --config path"], stage=Stage.CONFIG
-        )
+    check_paths([PathFlag("--config", path, Kind.FILE, suffixes=(".yaml", ".yml", ".json"))])
     text = path.read_text(encoding="utf-8")
     try:
         if path.suffix == ".json":

@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from distill.ops.errors import DistillError, Stage
+from distill.ops.paths import Kind, PathFlag, check_paths
+
+# The kinds of prompt file distill.data.prompts reads: a folder given for one gets one of these offered.
+PROMPT_SUFFIXES = (".txt", ".jsonl", ".csv", ".tsv")
 
 # Modules of each Wan block that can take LoRA adapters (diffusers names): q/k/v/o of self- and
 # cross-attention and both FFN linears, what the published few-step Wan LoRAs cover.
@@ -251,8 +255,11 @@ class TrainConfig:
     )
     stall_timeout: float = _opt(
         10.0,
-        "Minutes without a finished training step before every rank prints its stacks and the run ends "
-        "(exit 11); 0 = off. Keep it well under --dist_timeout.",
+        "Minutes without progress during training before a rank prints its stacks and the run ends "
+        "(exit 11); 0 = off. Progress: the start of each step and micro-batch, every forward of a "
+        "model (teacher experts, student, critic) and of each of its transformer blocks, and every "
+        "backward through a block; so it must outlast one block's forward or backward and a rank's "
+        "wait for slower ranks, not a whole step. Keep it well under --dist_timeout.",
     )
     distributed: bool = _opt(
         False, "Accepted for compatibility: torchrun alone decides; checked against how the run was launched."
@@ -296,6 +303,11 @@ class TrainConfig:
     wandb_run_name: str | None = _opt(None, "Name of the wandb run.")
     plan_world_size: int | None = _opt(
         None, "World size the memory plan is printed for (default: the one launched); try it with --dry_run."
+    )
+    mfu: float = _opt(
+        0.4,
+        "Model-FLOP utilisation the plan's GPU-hours assume: the share of an H100's 989 TFLOP/s (bf16) "
+        "the run's matrix products reach, in (0, 1].",
     )
     dry_run: bool = _opt(False, "Validate everything, print the plan and memory estimate, then exit 0.")
 
@@ -363,6 +375,10 @@ class TrainConfig:
             raise config_error(
                 "stall_timeout", "must be 0 (off) or positive (minutes)", "try --stall_timeout 10"
             )
+        if not 0.0 < self.mfu <= 1.0:
+            raise config_error(
+                "mfu", f"must lie in (0, 1] (a share of the GPU's peak), got {self.mfu}", "try --mfu 0.4"
+            )
         for name in (
             "checkpoint_every",
             "lr_warmup_steps",
@@ -410,6 +426,9 @@ class TrainConfig:
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise config_error("device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
+        # Paths last, by kind only (a stat each, nothing written): a file where a folder goes fails
+        # here, before the teacher is read; Distiller proves the output folders writable.
+        check_paths(self.path_flags(), probe=False)
 
     def _validate_finite(self) -> None:
         """inf or nan in any number setting: refused before it trains a student of NaNs."""
@@ -614,6 +633,31 @@ class TrainConfig:
     @property
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir) if self.cache_dir else Path(self.output_dir) / "cache"
+
+    def path_flags(self) -> list[PathFlag]:
+        """Every path setting and what it must be (distill.ops.paths). A teacher or a pretrained
+        start may be a hub id; a missing student folder, LoRA folder or sample prompts file is left
+        to its loader, which names it in its own terms (and finds the shipped sample prompts)."""
+        prompts = PROMPT_SUFFIXES  # offered from a folder given instead of a prompt file
+        flags = [
+            PathFlag("--output_dir", self.output_dir, Kind.OUTPUT_FOLDER),
+            # The default <output_dir>/cache too: a stray file there would stop the run after setup.
+            PathFlag("--cache_dir", self.resolved_cache_dir if self.output_dir else None, Kind.OUTPUT_FOLDER),
+            PathFlag("--sample_dir", self.sample_dir, Kind.OUTPUT_FOLDER),
+            PathFlag("--config", self.config, Kind.FILE, suffixes=(".yaml", ".yml", ".json")),
+            PathFlag("--teacher_path", self.teacher_path, Kind.FOLDER_OR_HUB),
+            PathFlag("--student_config", self.student_config, Kind.FILE_OR_FOLDER),
+            PathFlag("--critic_config", self.critic_config, Kind.FILE_OR_FOLDER),
+            PathFlag("--data_path", self.data_path, Kind.FILE, Stage.DATA, suffixes=prompts),
+            PathFlag("--sample_prompts", self.sample_prompts, Kind.FILE, must_exist=False, suffixes=prompts),
+            PathFlag("--eval_prompts", self.eval_prompts, Kind.FILE, must_exist=False, suffixes=prompts),
+            PathFlag("--student_lora_init", self.student_lora_init, Kind.FOLDER, must_exist=False),
+        ]
+        for name in ("student_init", "critic_init"):
+            value = getattr(self, name)
+            if value not in (None, "random", "teacher"):
+                flags.append(PathFlag(f"--{name}", value, Kind.FOLDER_OR_HUB))
+        return flags
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -65,3 +65,54 @@ def safetensors_problem(path: Path) -> str | None:
     if 8 + header_length + end > size:
         return f"the file is {size} bytes but its tensors need {8 + header_length + end}: it was cut short"
     return None
+
+
+# The diffusers components that hold weights (the others are configs, a tokenizer and a scheduler).
+WEIGHTED_COMPONENTS = ("text_encoder", "vae", "transformer", "transformer_2")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def components_without_weights(folder: str | Path) -> list[str]:
+    """The weighted components of a diffusers teacher folder that hold no weight file: all four in a
+    folder fetched with `download_wan.py --configs_only`, enough for a --dry_run plan."""
+    folder = Path(folder)
+    return [
+        f"{name}/"
+        for name in WEIGHTED_COMPONENTS
+        if (folder / name).is_dir()
+        and not any(p.suffix in WEIGHT_SUFFIXES for p in (folder / name).iterdir() if p.is_file())
+    ]
+
+
+def require_weights(folder: str | Path) -> None:
+    """Refuse to train from a teacher folder that holds configs but no weights (what
+    `download_wan.py --configs_only` fetches for a --dry_run plan), before anything is written."""
+    from distill.ops.errors import DistillError, Stage
+
+    missing = components_without_weights(folder)
+    if missing:
+        raise DistillError(
+            f"the teacher folder {folder} holds configs but no weights yet",
+            f"No weight files in: {', '.join(missing)}. Its configs are enough for --dry_run, not for training.",
+            causes=[
+                "it was fetched with download_wan.py --configs_only",
+                "the weight download did not finish",
+            ],
+            fixes=[
+                f"python download_wan.py --local_dir {folder}   # fetches the weights (~120 GB), resumable",
+                f"python download_wan.py --verify {folder}   # then check it",
+            ],
+            stage=Stage.TEACHER_LOAD,
+        )
+
+
+# What `download_wan.py --configs_only` and a --dry_run given a hub id fetch (huggingface_hub
+# allow_patterns, fnmatch: "*" also crosses "/"): the pipeline index and each component's config;
+# no weights, no weight index, no vocabulary.
+CONFIG_PATTERNS = (
+    "model_index.json",
+    "*/config.json",
+    "*/scheduler_config.json",
+    "*/tokenizer_config.json",
+    "*/special_tokens_map.json",
+)

@@ -21,8 +21,10 @@ import torch
 
 from distill.models.flow_matching import apply_guidance, high_noise_mask
 from distill.models.layout import (
+    CONFIG_PATTERNS,
     DIFFUSERS_COMPONENTS,
     ORIGINAL_COMPONENTS,
+    components_without_weights,
     missing_components,
     present_entries,
     safetensors_problem,
@@ -67,8 +69,9 @@ def _layout_error(path: str, title: str, details: str = "") -> DistillError:
     )
 
 
-def resolve_teacher_path(path_or_id: str) -> Path:
-    """A local folder as is; a hub id is fetched (or found in the local hub cache) with huggingface_hub."""
+def resolve_teacher_path(path_or_id: str, configs_only: bool = False) -> Path:
+    """A local folder as is; a hub id is fetched (or found in the local hub cache) with huggingface_hub:
+    whole, or with `configs_only` (a --dry_run plan) only its JSON configs, a few KB."""
     local = Path(path_or_id).expanduser()
     if local.exists() or not HUB_ID.match(path_or_id):
         if not local.is_dir():
@@ -76,15 +79,23 @@ def resolve_teacher_path(path_or_id: str) -> Path:
         return local.resolve()
     from huggingface_hub import snapshot_download
 
+    patterns = {"allow_patterns": list(CONFIG_PATTERNS)} if configs_only else {}
     try:
-        return Path(snapshot_download(path_or_id, local_files_only=True))
+        cached = Path(snapshot_download(path_or_id, local_files_only=True, **patterns))
+        # A cache holding only the configs (an earlier dry run) is no teacher to train with.
+        if configs_only or not components_without_weights(cached):
+            return cached
     except Exception:  # not cached yet: fetch it below
         pass
     try:
-        return Path(snapshot_download(path_or_id))
+        fetched = Path(snapshot_download(path_or_id, **patterns))
+        if not configs_only and components_without_weights(fetched):  # offline, the cache is all there is
+            raise FileNotFoundError(f"{fetched} holds the teacher's configs but no weights")
+        return fetched
     except Exception as exc:
+        what = "the configs of the teacher" if configs_only else "the teacher"
         raise DistillError(
-            f"could not fetch the teacher {path_or_id} from the Hugging Face hub",
+            f"could not fetch {what} {path_or_id} from the Hugging Face hub",
             f"{type(exc).__name__}: {exc}",
             causes=[
                 "no network on this node",
@@ -93,7 +104,8 @@ def resolve_teacher_path(path_or_id: str) -> Path:
             ],
             fixes=[
                 f"download once on a machine with internet: python download_wan.py --repo_id {path_or_id} "
-                "--local_dir models/teacher, copy the folder here, then pass --teacher_path models/teacher",
+                f"--local_dir models/teacher{' --configs_only' if configs_only else ''}, copy the folder "
+                "here, then pass --teacher_path models/teacher",
                 "set HF_TOKEN if the repo is gated",
             ],
             stage=Stage.TEACHER_LOAD,
@@ -197,15 +209,19 @@ def check_teacher_configs(path: Path) -> tuple[dict[str, Any], ...]:
 
 
 def inspect_teacher(
-    path_or_id: str, boundary_ratio: float | None = None, convert_dir: str | Path | None = None
+    path_or_id: str,
+    boundary_ratio: float | None = None,
+    convert_dir: str | Path | None = None,
+    configs_only: bool = False,
 ) -> TeacherInfo:
     """Resolve the teacher and read its layout, refusing anything that is not a complete Wan 2.2 T2V teacher.
 
     A folder in the ORIGINAL Wan layout is converted once to the diffusers layout under
     `convert_dir` (default: $WAN_DISTILL_CONVERT_DIR or ~/.cache/wan-distill/converted) and the
-    returned info points at that copy, so every later stage reads the diffusers layout.
+    returned info points at that copy, so every later stage reads the diffusers layout. With
+    `configs_only` (a --dry_run plan) a hub id is fetched without its weights.
     """
-    path = resolve_teacher_path(path_or_id)
+    path = resolve_teacher_path(path_or_id, configs_only)
     if looks_original(path):
         path = ensure_converted(path, convert_dir)
     missing = missing_components(path)
@@ -318,18 +334,21 @@ def load_expert(info: TeacherInfo, subfolder: str, dtype: torch.dtype) -> Any:
 
 
 def shard_expert(model: Any, device: torch.device, world_size: int) -> Any:
-    """Shard a frozen expert over all ranks with FSDP2: each rank keeps 1/N of every block.
+    """Shard a frozen expert with FSDP2: each rank keeps 1/N of every block, N the ranks of its node.
 
+    One node: sharded over all its ranks. Several nodes: sharded within each node and replicated
+    across nodes (HSDP on the 2-D mesh of distill/ops/mesh.py), so gathers never leave a node.
     One `fully_shard` per transformer block, then the root, so a forward gathers one block at a
     time and frees it after use. No gradients and no optimizer: only the frozen weights are sharded.
     LoRA adapters inside the expert (a LoRA student's or critic's) stay whole on every rank, outside
     FSDP: they are small, and DDP reduces their gradients as it does any trained model's.
     Every rank must then call the expert the same number of times (see GuidedTeacher.lockstep).
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
+    from distill.ops.mesh import shard_mesh
+
+    mesh = shard_mesh(device, world_size)
     adapters = {p for name, p in model.named_parameters() if ".lora_" in name}
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=adapters)

@@ -1,10 +1,17 @@
 """Rehearse failures on purpose: `DISTILL_INJECT_FAULT=KIND:STEP[@RANK]` (comma-separated for several).
 
-KIND is one of exception, oom, nan, sigterm, kill, hang, worker_abort. At optimizer step STEP
-(counted from 1, on RANK only if given) the trainer raises, runs out of memory, produces a
-non-finite loss, gets SIGTERM, is SIGKILLed, stops making progress (for the stall watchdog), or
-has its DataLoader worker processes die of SIGABRT, exactly as a real failure would look. Faults
-fire only in torchrun's first attempt, so a restarted run recovers. Unset, it does nothing.
+KIND is one of exception, oom, nan, sigterm, kill, hang, worker_abort, slow, hang_forward. At
+optimizer step STEP (counted from 1, on RANK only if given) the trainer raises, runs out of memory,
+produces a non-finite loss, gets SIGTERM, is SIGKILLed, stops making progress before the step's
+first forward (for the stall watchdog), or has its DataLoader worker processes die of SIGABRT,
+exactly as a real failure would look. Two act inside the models' forwards (hooks on each model and
+transformer block the loop watches, `FaultInjector.attach`):
+- slow: every forward from step STEP's start until the next step's sleeps SLOW_FORWARD_S, as a
+  legitimately slow step does its work in many pieces: the step outlasts a short --stall_timeout
+  while the gaps between forwards stay short;
+- hang_forward: the third forward of step STEP never returns (a rank stuck in the middle of a step,
+  after its first forwards have signalled progress).
+Faults fire only in torchrun's first attempt, so a restarted run recovers. Unset, it does nothing.
 """
 
 from __future__ import annotations
@@ -14,11 +21,15 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from distill.ops.errors import DistillError, Stage
 
 ENV = "DISTILL_INJECT_FAULT"
-KINDS = ("exception", "oom", "nan", "sigterm", "kill", "hang", "worker_abort")
+KINDS = ("exception", "oom", "nan", "sigterm", "kill", "hang", "worker_abort", "slow", "hang_forward")
+IN_FORWARD = ("slow", "hang_forward")  # kinds that act inside the models' forwards
+SLOW_FORWARD_S = 1.0  # what a `slow` fault adds to each forward of a model or transformer block
+HANG_AT_FORWARD = 3  # the forward of its step (counted from 1) in which a `hang_forward` fault hangs
 
 
 class InjectedFault(RuntimeError):
@@ -61,12 +72,36 @@ class FaultInjector:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             self.faults = []
         self.rank = rank
+        self.step = 0  # the step in progress (the last one started)
+        self.forwards = 0  # forwards of watched modules since that step started
+
+    def attach(self, *models: Any) -> None:
+        """Hooks for the faults that act inside forwards, on each model and transformer block of `models`
+        (the units the stall watchdog hears progress from). Nothing is registered without such a fault."""
+        if not any(f.kind in IN_FORWARD for f in self.faults):
+            return
+        from distill.ops.watchdog import forward_units
+
+        for module in forward_units(*models):
+            module.register_forward_pre_hook(self._in_forward)
+
+    def _in_forward(self, _module: Any, _args: Any) -> None:
+        self.forwards += 1
+        for fault in self.faults:
+            if fault.step != self.step:
+                continue
+            if fault.kind == "slow":
+                time.sleep(SLOW_FORWARD_S)
+            if fault.kind == "hang_forward" and self.forwards == HANG_AT_FORWARD:
+                while True:  # stuck in the middle of a step, after its first progress signals
+                    time.sleep(60)
 
     def wants_nan(self, step: int) -> bool:
         return any(f.kind == "nan" and f.step == step for f in self.faults)
 
     def before_step(self, step: int) -> None:
         """Called at the start of optimizer step `step` (1-based)."""
+        self.step, self.forwards = step, 0
         for fault in self.faults:
             if fault.step != step:
                 continue

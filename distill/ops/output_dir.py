@@ -1,7 +1,8 @@
 """Output folders: writable before any work starts, and one training run at a time.
 
-Every command checks the folders it will write to before it loads anything (`writable_folder`),
-so a typo in an output path costs seconds, not a rendered video or a trained model.
+Every command checks the folders it will write to before it loads anything (`writable_folder`, or
+all its path flags at once with distill.ops.paths), so a typo in an output path costs seconds, not a
+rendered video or a trained model.
 
 Two runs in one `--output_dir` (a second launch with another `--lr`, a job started twice by a
 scheduler) would interleave their metrics, prune each other's checkpoints and export whichever
@@ -17,12 +18,12 @@ import fcntl
 import json
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from distill.ops.errors import DistillError, Stage
+from distill.ops.paths import Kind, PathFlag, check_paths, not_writable
 
 LOCK_NAME = ".run.lock"
 
@@ -30,26 +31,17 @@ LOCK_NAME = ".run.lock"
 def writable_folder(folder: str | Path, flag: str, create: bool = True) -> Path:
     """`folder`, proven writable, or a DistillError naming `flag`.
 
-    `create`: make the folder now. Without it nothing is left behind: a probe file is written
-    and removed in the folder, or in its nearest existing parent when it does not exist yet.
+    The kind is checked first (distill.ops.paths: not a file, not under one). `create`: make the
+    folder now. Without it nothing is left behind: a probe file is written and removed in the
+    folder, or in its nearest existing parent when it does not exist yet.
     """
     folder = Path(folder)
-    try:
-        if create:
+    check_paths([PathFlag(flag, folder, Kind.OUTPUT_FOLDER)])
+    if create:
+        try:
             folder.mkdir(parents=True, exist_ok=True)
-        where = folder
-        while not where.exists() and where != where.parent:
-            where = where.parent
-        handle, probe = tempfile.mkstemp(prefix=".write-test-", dir=where)
-        os.close(handle)
-        os.unlink(probe)
-    except OSError as exc:
-        raise DistillError(
-            f"{flag} {folder} is not writable",
-            f"{type(exc).__name__}: {exc}",
-            fixes=["choose a folder you can write to, on a disk with room for what the command writes"],
-            stage=Stage.CONFIG,
-        ) from None
+        except OSError as exc:
+            raise not_writable(flag, folder, exc) from None
     return folder
 
 

@@ -2,18 +2,28 @@
 
 A stuck collective or a stuck DataLoader otherwise sits until --dist_timeout (60 minutes by
 default) and then dies with a message that says nothing about where it was. Here a background
-thread on every rank watches the heartbeat the training loop gives at the start of each step
-(`beat(stage, step)`). When no beat has come for --stall_timeout minutes, it prints the stack of
-every thread (faulthandler), then the usual banner naming the stage and step, writes it to
-torchrun's error file and ends the process with exit code 11.
+thread on every rank watches for progress. When none has come for --stall_timeout minutes, it
+prints the stack of every thread (faulthandler), then the usual banner naming the stage and step,
+writes it to torchrun's error file and ends the process with exit code 11.
+
+What counts as progress, so that one legitimately slow step (minutes per step at real scale) is
+never taken for a hang:
+- `beat(stage, step)`: the training loop, at the start of each step and of each micro-batch; it
+  also records the stage and step the banner names, and arms the watch;
+- `progress()`: every forward of a watched model and of each of its transformer blocks, and every
+  backward through such a block (`watch_forwards`, hooks registered once per model). It only
+  stores the time: no lock, nothing else, so it costs nothing next to a block's compute.
+A rank stuck outright, or waiting in a collective for a rank that is, calls neither, and is
+reported as before.
 
 Long pieces of work that are not steps (sample rounds, evaluations, checkpoint saves) call
-`pause()` first; the next `beat` re-arms the watch. Setup, teacher loading and cache building are
-not watched: their collectives are bounded by --dist_timeout.
+`pause()` first; the next `beat` re-arms the watch (their forwards signal progress, which counts
+only while armed). Setup, teacher loading and cache building are not watched: their collectives
+are bounded by --dist_timeout.
 
 As a backstop for a main thread that never releases the GIL (so no Python thread can run),
 faulthandler's own C-level timer dumps the stacks and exits (code 1) 30 to 60 seconds after the
-watchdog should have fired.
+watchdog should have fired; the watch thread keeps pushing that timer on while progress comes.
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 from distill.ops.errors import DistillError, Stage, current_rank, report
 
@@ -95,12 +107,14 @@ def stall_error(stage: Stage | str, step: int | None, timeout_s: float, location
             "shows torch.distributed, DDP or autograd)",
             "a DataLoader worker that hangs, e.g. on a stuck network file system",
             "ranks that called different collectives (a rank skipped or repeated a step)",
-            "one optimizer step that really takes longer than --stall_timeout",
+            "one forward or backward of a transformer block, or one wait for slower ranks, that really "
+            "takes longer than --stall_timeout (a slow step is not a stall: its forwards are progress)",
         ],
         fixes=[
             "compare the stacks every rank printed: the rank whose main thread is NOT inside a collective "
             "is the one that stalled; the others wait for it",
-            "if a step legitimately takes this long, raise --stall_timeout (0 turns the watchdog off)",
+            "if one block's forward or backward legitimately takes this long, raise --stall_timeout "
+            "(0 turns the watchdog off)",
             "--debug_distributed adds the NCCL / torch.distributed logs of the collectives",
             "rerun with --resume auto to continue from the last checkpoint",
         ],
@@ -113,7 +127,8 @@ def _exit_stalled() -> None:
 
 
 class StallWatchdog:
-    """Fires `on_stall` when armed and no `beat` came for `timeout_s` seconds."""
+    """Fires `on_stall` when armed (by a `beat`) and neither a beat nor a `progress` signal came for
+    `timeout_s` seconds."""
 
     def __init__(
         self,
@@ -125,8 +140,11 @@ class StallWatchdog:
         self.on_stall = on_stall
         self.backstop = backstop and _stderr_fd() is not None
         self._lock = threading.Lock()
-        self._last: float | None = None  # None: paused
-        self._backstop_armed: float | None = None
+        self._last: float | None = None  # the last beat; None: paused
+        # The last progress signal. Written without the lock (one float store from hooks); it counts
+        # only while armed, and only when it is later than the beat that armed the watch.
+        self._progress = 0.0
+        self._backstop_deadline: float | None = None  # when faulthandler's timer fires, if armed
         self._where: tuple[Stage | str, int | None] = (Stage.TRAINING, None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
@@ -144,17 +162,20 @@ class StallWatchdog:
         self._disarm_backstop()
 
     def beat(self, stage: Stage | str, step: int | None = None) -> None:
-        """Progress: the clock starts again (and the watch is armed if it was paused)."""
+        """Progress at a known place: the clock starts again (and the watch is armed if it was paused)."""
         now = time.monotonic()
         with self._lock:
             self._last, self._where = now, (stage, step)
-            # Re-arming restarts faulthandler's timer thread (~0.1 ms): at most every half grace.
-            armed = self._backstop_armed
-            if self.backstop and (armed is None or now - armed > BACKSTOP_GRACE_S / 2):
-                faulthandler.dump_traceback_later(
-                    self.timeout_s + BACKSTOP_GRACE_S, exit=True, file=sys.stderr
-                )
-                self._backstop_armed = now
+
+    def progress(self) -> None:
+        """Progress inside a step (a forward or backward): the clock starts again. Arms nothing."""
+        self._progress = time.monotonic()
+
+    def _last_progress(self) -> float | None:
+        """The latest beat or progress signal while armed; None while paused."""
+        with self._lock:
+            last = self._last
+        return None if last is None else max(last, self._progress)
 
     def pause(self) -> None:
         """Stop watching until the next beat (for work that is allowed to take long).
@@ -166,21 +187,39 @@ class StallWatchdog:
 
     def _disarm_backstop(self) -> None:
         with self._lock:
-            if self._backstop_armed is not None and self._last is None:
+            if self._backstop_deadline is not None and self._last is None:
                 faulthandler.cancel_dump_traceback_later()
-                self._backstop_armed = None
+                self._backstop_deadline = None
+
+    def _push_backstop(self, last: float) -> None:
+        """Keep faulthandler's timer BACKSTOP_GRACE_S after the watchdog's own deadline.
+
+        Re-arming restarts faulthandler's timer thread (~0.1 ms): done when the deadline has moved on
+        by half the grace, so the timer fires 30 to 60 s after the watchdog should have.
+        """
+        deadline = last + self.timeout_s + BACKSTOP_GRACE_S
+        armed = self._backstop_deadline
+        if self.backstop and (armed is None or deadline - armed > BACKSTOP_GRACE_S / 2):
+            faulthandler.dump_traceback_later(
+                max(deadline - time.monotonic(), 1.0), exit=True, file=sys.stderr
+            )
+            self._backstop_deadline = deadline
 
     def _watch(self) -> None:
         poll = min(max(self.timeout_s / 10, 0.05), 5.0)
         while not self._stop.wait(poll):
-            with self._lock:
-                last, (stage, step) = self._last, self._where
+            last = self._last_progress()
             if last is None:
                 self._disarm_backstop()
                 continue
+            self._push_backstop(last)
             if time.monotonic() - last < self.timeout_s:
                 continue
-            self.fired = True
+            with self._lock:
+                if self._last is None:  # paused meanwhile: a failure on its way to its own banner
+                    continue
+                stage, step = self._where
+                self.fired = True
             rank = current_rank()
             print(
                 f"{f'[Rank {rank}] ' if rank is not None else ''}stall watchdog: no progress for "
@@ -212,6 +251,13 @@ def beat(stage: Stage | str, step: int | None = None) -> None:
         _active.beat(stage, step)
 
 
+def progress() -> None:
+    """Progress inside a step (called by the hooks of `watch_forwards`); nothing without a watchdog."""
+    watchdog = _active
+    if watchdog is not None:
+        watchdog.progress()
+
+
 def pause() -> None:
     if _active is not None:
         _active.pause()
@@ -222,3 +268,58 @@ def stop() -> None:
     if _active is not None:
         _active.stop()
         _active = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress from inside a step: hooks on the models' forwards
+# ---------------------------------------------------------------------------------------------
+
+_watched: weakref.WeakSet = weakref.WeakSet()  # modules that already signal progress
+
+
+def forward_units(*models: Any) -> list[Any]:
+    """Each model and each transformer block inside it (a module's `blocks` list: Wan's layers),
+    found through wrappers (an expert view, a pair of expert copies), each module once."""
+    from torch import nn
+
+    units: dict[int, Any] = {}
+    for model in models:
+        units.setdefault(id(model), model)
+        for module in model.modules():
+            blocks = getattr(module, "blocks", None)
+            if isinstance(blocks, nn.ModuleList):
+                units.setdefault(id(module), module)
+                for block in blocks:
+                    units.setdefault(id(block), block)
+    return list(units.values())
+
+
+def watch_forwards(*models: Any) -> None:
+    """Signal progress at every forward of `models` and of their blocks, and every backward through a
+    block (a hook on its output's gradient), so the longest stretch without a signal is one block's
+    forward or backward (or a wait in a collective). Registered once per module; the hooks stay for
+    the life of the model and cost one clock read each."""
+    import torch
+
+    @torch.compiler.disable  # a clock read is no part of a compiled graph
+    def before_forward(_module: Any, _args: Any) -> None:
+        progress()
+
+    @torch.compiler.disable
+    def after_forward(_module: Any, _args: Any, output: Any) -> None:
+        progress()
+        first = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(first, torch.Tensor) and first.requires_grad:
+            # Fires when backward reaches this module's output, i.e. as backward enters the module.
+            first.register_hook(_progress_in_backward)
+
+    for module in forward_units(*models):
+        if module in _watched:
+            continue
+        module.register_forward_pre_hook(before_forward)
+        module.register_forward_hook(after_forward)
+        _watched.add(module)
+
+
+def _progress_in_backward(grad: Any) -> None:
+    progress()

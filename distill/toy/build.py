@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from distill.ops.errors import DistillError, Stage, report
+from distill.ops.paths import Kind, PathFlag, check_paths
 from distill.toy import world
 from distill.toy.expert_training import FOCUS_SIGMA, train_experts
 from distill.toy.grow import EXPERT_FOLDERS, expert_shape, grow_expert
@@ -417,6 +418,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("pass --retrain to train the toy teacher (it replaces the --output folder)")
     command = "python -m distill.toy.build " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
+        check_paths(  # before minutes of fitting: the output and both starting points
+            [
+                PathFlag("--output", args.output, Kind.OUTPUT_FOLDER),
+                PathFlag("--from", args.start_from, Kind.FOLDER),
+                PathFlag("--vae_from", args.vae_from, Kind.FOLDER),
+            ]
+        )
         for flag in ("layers", "ffn_dim"):
             if getattr(args, flag) is not None and getattr(args, flag) < 1:
                 parser.error(f"--{flag} {getattr(args, flag)}: give a positive number")

@@ -94,10 +94,21 @@ def main(argv: list[str] | None = None) -> int:
     args.work_dir = args.work_dir or ("outputs/toy-stage1-clips" if args.clips else "outputs/toy-stage1")
     if not args.retrain:
         parser.error(f"pass --retrain to train the stage-1 toy student (it replaces {args.output})")
+    from distill.ops.errors import DistillError, Stage, report
+    from distill.ops.paths import Kind, PathFlag, check_paths
+
+    try:  # before the teacher is copied and 16 minutes of training start
+        check_paths(
+            [
+                PathFlag("--work_dir", args.work_dir, Kind.OUTPUT_FOLDER),
+                PathFlag("--output", args.output, Kind.OUTPUT_FOLDER),
+            ]
+        )
+    except DistillError as error:
+        return report(error)
     import torch
 
     from distill.config.cli import parse_config
-    from distill.ops.errors import DistillError, Stage, report
     from distill.toy.shipped import write_toy_teacher
     from distill.train.trainer import Distiller
 

@@ -169,6 +169,11 @@ class TrainingLoop:
         self.overflowed = False  # the last step skipped an update for an fp16 overflow (and nothing worse)
         self.wandb_run_id: str | None = None
         self.faults = FaultInjector(rank=self.ctx.rank)
+        # Progress inside a step: each forward of these models and of their blocks (and each backward
+        # through a block) tells the stall watchdog, so a slow step that computes is not a hang.
+        watched = (teacher.high, teacher.low, *self.models.values())
+        watchdog.watch_forwards(*watched)
+        self.faults.attach(*watched)  # DISTILL_INJECT_FAULT=slow / hang_forward act in those forwards
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -413,9 +418,9 @@ class TrainingLoop:
         cfg = self.cfg
         next_step = self.step + 1
         Progress.enter(Stage.TRAINING, next_step)
-        watchdog.beat(
-            Stage.TRAINING, next_step
-        )  # a step (all its updates) must finish within --stall_timeout
+        # Arms the stall watchdog for this step; within it, every micro-batch and every forward and
+        # backward of a watched model counts as progress (see __init__).
+        watchdog.beat(Stage.TRAINING, next_step)
         self.faults.before_step(next_step)
         norms: dict[str, torch.Tensor] = {}
         outcomes: list[str] = []
@@ -424,6 +429,7 @@ class TrainingLoop:
             if update in self.step_sums:
                 self.step_sums[update].zero_()
             for micro in range(cfg.gradient_accumulation_steps):
+                watchdog.beat(Stage.TRAINING, next_step)
                 last = micro == cfg.gradient_accumulation_steps - 1
                 self.micro_step(update, next(batches), sync=last, poison=self.faults.wants_nan(next_step))
                 self.consumed += cfg.batch_size * self.ctx.world_size
@@ -509,6 +515,11 @@ class TrainingLoop:
             if result.stopped_by_signal is None:
                 self._observe(monitor, tracker, final=True)
             self.check_ranks_agree()
+        except BaseException:
+            # A failure has its own banner: a rank reporting, say, a peer that died under it is not
+            # stalled, and must not be labelled so by the watchdog while it gets there.
+            watchdog.pause()
+            raise
         finally:
             tracker.close()
         workers.release(batches)  # on failure the workers stay until the report has looked at them

@@ -1,13 +1,20 @@
 """What a run will cost before it starts: parameter counts, per-device memory of each teacher
-placement, and the placement `--teacher_placement auto` picks.
+placement, the placement `--teacher_placement auto` picks, and (distill.train.cost) the forwards and
+GPU-hours of the whole run.
 
 Printed by `--dry_run` (and at the start of every run) so users can size GPUs before renting them.
-Activations are an order-of-magnitude estimate, not a measurement: `python -m distill.bench`
-measures.
+Weights, optimizer states and DDP's gradient buckets are counted from the configs; gradients and
+activations are measured: the real diffusers models run one step's forwards and backward on fake
+tensors at the run's sizes (distill.train.activations), and the plan takes the peak of the step's
+phases (tests/test_memory_plan.py holds it against the measured peak of real CPU training steps).
+Left out: what no tensor shows (the allocator's caching and fragmentation, the CUDA context, kernel
+workspaces: hence HEADROOM), the VAE that decodes sample rounds, and the methods' own latent-sized
+tensors beyond a model's input and target (a few per sample, 8.4 MB each at 480x832x81).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,13 +22,18 @@ import torch
 
 from distill.config.settings import TrainConfig
 from distill.models.lora import LoraShape, count_adapter_parameters
-from distill.models.student import count_parameters
 from distill.models.teacher import TeacherInfo, resolve_dtype
+from distill.ops.distributed import DistContext
+from distill.ops.mesh import shard_group_size
+from distill.train.activations import ModelUse, no_grad_peak, parameter_count, stored_bytes, trained
+from distill.train.cost import RunCounts, cost_lines, run_cost
 
 GIB = 1024**3
 PLACEMENTS = ("gpu", "cpu", "shard")
 HEADROOM = 0.9  # leave room for the allocator, CUDA context and fragmentation
 REFERENCE_GPU_BYTES = 80e9  # what --dry_run without CUDA measures against (an H100/A100 80 GB)
+ADAMW_BYTES = 12  # float32 weight + two float32 AdamW moments per trained parameter
+AUTOCAST = {"bf16": "bfloat16", "fp16": "float16", "no": None}
 
 
 def human_count(n: int) -> str:
@@ -33,17 +45,27 @@ def human_count(n: int) -> str:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device for one placement (teacher share, student + grads + AdamW, activations)."""
+    """Bytes per device for one placement: what is held for the whole run (teacher share, trained
+    weights with AdamW, DDP buckets) and the measured peak of a step's gradients and activations."""
 
     teacher: float
-    student: float
-    activations: float
+    student: float  # trained parameters (float32), two AdamW moments, the EMA copy
+    activations: float  # the step's peak of gradients and activations (see step_activations)
     host_teacher: float  # CPU RAM per rank held by the teacher
-    critic: float = 0.0  # dmd: the critic's weights + grads + AdamW
+    critic: float = 0.0  # dmd: the critic's weights + AdamW
+    buckets: float = 0.0  # DDP's flat gradient buckets: a second copy of every trained gradient
 
     @property
     def total(self) -> float:
-        return self.teacher + self.student + self.critic + self.activations
+        return self.teacher + self.student + self.critic + self.buckets + self.activations
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """The activation peak of a training step and the phase it happens in."""
+
+    bytes: float
+    phase: str
 
 
 def trained_parameters(
@@ -52,8 +74,8 @@ def trained_parameters(
     """Trained parameters of the student and of the dmd critic (None without one). With
     --student_lora_rank these are the adapters on both experts (a full critic: both experts whole)."""
     if not cfg.student_lora_rank:
-        return count_parameters(student_config), (
-            count_parameters(critic_config) if critic_config is not None else None
+        return parameter_count(student_config), (
+            parameter_count(critic_config) if critic_config is not None else None
         )
     expert = info.expert_config
     trained = len(cfg.phase_experts)  # --expert_phase high|low trains one expert's adapters
@@ -66,9 +88,137 @@ def trained_parameters(
     critic = (
         trained * count_adapter_parameters(expert, LoraShape(rank, float(rank), cfg.lora_targets))
         if rank
-        else 2 * count_parameters(expert)
+        else 2 * parameter_count(expert)
     )
     return student, critic
+
+
+def tokens_of(cfg: TrainConfig, info: TeacherInfo) -> int:
+    """Transformer tokens of one training sample (latent frames x patches)."""
+    _, frames, height, width = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
+    patch = info.patch_size
+    return (frames // patch[0]) * (height // patch[1]) * (width // patch[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: the step's phases, each measured on the real models (distill.train.activations)
+# ---------------------------------------------------------------------------------------------
+
+
+def _uses(
+    cfg: TrainConfig,
+    info: TeacherInfo,
+    student_config: dict[str, Any],
+    critic_config: dict[str, Any] | None,
+    teacher_dtype: torch.dtype,
+) -> dict[str, Any]:
+    """How the step runs each model (distill.train.activations): the teacher's forward (batch doubled
+    when an expert's guidance runs the unconditional pass), and the trained models' forwards without
+    gradient and with it (the student's batch doubled by the dmd regression term)."""
+    shape = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
+    common = dict(latent_shape=shape, text_len=cfg.max_sequence_length)
+    weights = str(teacher_dtype).removeprefix("torch.")  # the experts' dtype, as the teacher loads them
+    guided = max(cfg.guidance_scale, cfg.guidance_scale_2) > 1.0
+    batch = cfg.batch_size
+    trained = dict(
+        autocast=AUTOCAST[cfg.mixed_precision],
+        checkpointing=cfg.gradient_checkpointing,
+        # With accumulation the gradients of earlier micro-batches are there when the next one starts;
+        # without, each backward allocates them as it goes (the measured peak includes those).
+        grads_held=cfg.gradient_accumulation_steps > 1,
+    )
+
+    def lora(rank: int, alpha: float) -> dict[str, Any]:
+        return dict(weights=weights, lora_rank=rank, lora_alpha=alpha, lora_targets=cfg.lora_targets)
+
+    def trained_use(name: str, config: dict[str, Any], regression: bool = False) -> dict[str, ModelUse]:
+        size = batch * (2 if regression else 1)
+        if not cfg.student_lora_rank:
+            spec = dict(config=config, weights="float32")
+        elif name == "student":
+            spec = dict(config=info.expert_config, **lora(cfg.student_lora_rank, cfg.lora_alpha))
+        elif cfg.critic_adapter_rank:
+            spec = dict(
+                config=info.expert_config, **lora(cfg.critic_adapter_rank, float(cfg.critic_adapter_rank))
+            )
+        else:  # a full float32 copy of the experts
+            spec = dict(config=info.expert_config, weights="float32")
+        config_of = spec.pop("config")
+        return {
+            "train": ModelUse.of(config_of, batch=size, **common, **trained, **spec),
+            "no_grad": ModelUse.of(
+                config_of, batch=batch, **common, **{**trained, "grads_held": False}, **spec
+            ),
+        }
+
+    uses: dict[str, Any] = {
+        "teacher": ModelUse.of(
+            info.expert_config, batch=batch * (2 if guided else 1), weights=weights, **common
+        ),
+        "student": trained_use(
+            "student", student_config, regression=cfg.method == "dmd" and cfg.regression_weight > 0
+        ),
+    }
+    if critic_config is not None:
+        uses["critic"] = trained_use("critic", critic_config)
+    return uses
+
+
+def step_activations(
+    cfg: TrainConfig,
+    info: TeacherInfo,
+    student_config: dict[str, Any],
+    critic_config: dict[str, Any] | None,
+    teacher_dtype: torch.dtype,
+) -> StepPeak:
+    """The peak of a micro-step's gradients and activations over its phases, in the order the methods
+    run them.
+
+    velocity: the teacher's forward (no gradient), then the student's forward and backward.
+    dmd, generator update: the student's rollout (no gradient); its forward with gradient, whose saved
+    activations stay while the teacher and the critic answer without gradient; its backward.
+    dmd, critic update: the student generates without gradient, then the critic's forward and backward.
+    Only the updated model has gradients (each optimizer step sets them to None); with accumulation
+    they are there for the whole update, otherwise the measured backward allocates them.
+    """
+    uses = _uses(cfg, info, student_config, critic_config, teacher_dtype)
+    student_params, critic_params = trained_parameters(cfg, info, student_config, critic_config)
+    accumulating = cfg.gradient_accumulation_steps > 1
+    grads = {"student": 4.0 * student_params if accumulating else 0.0}
+    grads["critic"] = 4.0 * (critic_params or 0) if accumulating else 0.0
+    teacher = no_grad_peak(uses["teacher"])
+    student = trained(uses["student"]["train"])
+    phases = {
+        "the teacher's forward": teacher + grads["student"],
+        "the student's forward and backward": student.peak + grads["student"],
+    }
+    if cfg.method == "dmd":
+        phases["the student's rollout"] = no_grad_peak(uses["student"]["no_grad"]) + max(grads.values())
+        critic_no_grad = 0.0
+        if "critic" in uses:
+            critic = trained(uses["critic"]["train"])
+            critic_no_grad = no_grad_peak(uses["critic"]["no_grad"])
+            phases["the critic's forward and backward"] = critic.peak + grads["critic"]
+        scores = student.held + max(teacher, critic_no_grad) + grads["student"]
+        phases["the scores (teacher and critic) over the student's saved activations"] = scores
+        del phases["the teacher's forward"]  # it runs inside the scores phase
+    phase = max(phases, key=phases.get)
+    return StepPeak(phases[phase], phase)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per placement
+# ---------------------------------------------------------------------------------------------
+
+
+def teacher_bytes(info: TeacherInfo, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(both experts, one block of an expert, one expert's parts outside its blocks) in bytes, as
+    diffusers loads them in `dtype` (its float32 modules stay float32)."""
+    expert = info.expert_config
+    layers = int(expert["num_layers"])
+    one, two = (stored_bytes({**expert, "num_layers": n}, dtype) for n in (1, 2))
+    block = two - one
+    return 2.0 * (one + (layers - 1) * block), float(block), float(one - block)
 
 
 def estimate(
@@ -79,30 +229,29 @@ def estimate(
     placement: str,
     world_size: int,
     critic_config: dict[str, Any] | None = None,
+    local_world_size: int | None = None,
 ) -> MemoryEstimate:
-    teacher_params = 2 * count_parameters(info.expert_config)
-    teacher_bytes = teacher_params * (torch.finfo(resolve_dtype(cfg.teacher_dtype, device)).bits // 8)
+    """Bytes per device for `placement` at `world_size` ranks (`local_world_size` per node: a sharded
+    teacher is sharded within a node and replicated across nodes)."""
+    teacher_dtype = resolve_dtype(cfg.teacher_dtype, device)
+    experts, block, outside = teacher_bytes(info, teacher_dtype)
     student_params, critic_params = trained_parameters(cfg, info, student_config, critic_config)
-    # fp32 weights + grads + two AdamW moments, plus the EMA copy when enabled.
-    student_bytes = student_params * (16 + (4 if cfg.ema_decay else 0))
-    _, frames, height, width = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
-    tokens = frames * (height // info.patch_size[1]) * (width // info.patch_size[2])
-    model_width = student_config["num_attention_heads"] * student_config["attention_head_dim"]
-    # Rough: about a dozen saved fp32 activations of the model width per token and layer.
-    per_layer = cfg.batch_size * tokens * model_width * 4 * 12
-    layers_kept = 1 if cfg.gradient_checkpointing else student_config["num_layers"]
-    activations = per_layer * (layers_kept + 1)
-    if critic_config is not None and cfg.regression_weight:
-        activations *= 2  # the regression pair rides in the generator's forward
-    # A critic is trained like the student (fp32 weights, grads, two AdamW moments), never at once with it.
-    critic = 16.0 * critic_params if critic_params is not None else 0.0
+    # float32 weights + two AdamW moments, plus the EMA copy when enabled.
+    student = student_params * (ADAMW_BYTES + (4 if cfg.ema_decay else 0))
+    critic = ADAMW_BYTES * critic_params if critic_params is not None else 0.0
+    # DDP keeps a flat float32 bucket copy of every trained gradient, for the whole run.
+    buckets = 4.0 * (student_params + (critic_params or 0)) if world_size > 1 else 0.0
+    activations = step_activations(cfg, info, student_config, critic_config, teacher_dtype).bytes
+    held = dict(student=student, activations=activations, critic=critic, buckets=buckets)
     if placement == "cpu":
-        return MemoryEstimate(0.0, student_bytes, activations, teacher_bytes, critic)
+        # Streamed block by block: the block computing and the next one prefetched, and the parts
+        # outside the blocks (embedders, head), which group offloading copies whole each forward.
+        return MemoryEstimate(2 * block + outside, host_teacher=experts, **held)
     if placement == "shard":
-        # Each rank holds 1/N, plus one gathered block of each expert at a time.
-        block = teacher_bytes / 2 / max(info.expert_config["num_layers"], 1)
-        return MemoryEstimate(teacher_bytes / world_size + 2 * block, student_bytes, activations, 0.0, critic)
-    return MemoryEstimate(teacher_bytes, student_bytes, activations, 0.0, critic)
+        shard = shard_group_size(world_size, local_world_size or world_size)
+        # Each rank holds 1/N of its node's copy, plus the gathered block computing and the next.
+        return MemoryEstimate(experts / shard + 2 * block, host_teacher=0.0, **held)
+    return MemoryEstimate(experts, host_teacher=0.0, **held)
 
 
 def choose_placement(
@@ -112,8 +261,12 @@ def choose_placement(
     device: torch.device,
     world_size: int,
     critic_config: dict[str, Any] | None = None,
+    local_world_size: int | None = None,
 ) -> tuple[str, str]:
-    """The teacher placement to use and why, from the request and the device memory measured now."""
+    """The teacher placement to use and why, from the request and the device memory measured now.
+    `local_world_size`: ranks per node (default: torchrun's LOCAL_WORLD_SIZE, else all on one node)."""
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     requested = cfg.teacher_placement
     if requested == "shard" and world_size < 2:
         return (
@@ -130,12 +283,27 @@ def choose_placement(
         full_critic = cfg.method == "dmd" and not cfg.critic_adapter_rank
         options = [p for p in options if p != "cpu" and not (p == "shard" and full_critic)]
     for placement in options:
-        need = estimate(cfg, info, student_config, device, placement, world_size, critic_config).total
+        need = estimate(
+            cfg, info, student_config, device, placement, world_size, critic_config, local_world_size
+        ).total
         if need <= free or placement == "cpu":
             return placement, f"needs about {need / GIB:.1f} GiB per device, {free / GIB:.1f} GiB usable now"
     if cfg.student_lora_rank:
         return options[-1], f"nothing fits; {options[-1]} needs the least memory (see --dry_run)"
     return "cpu", "nothing else fits"
+
+
+def weights_line(info: TeacherInfo) -> list[str]:
+    """A line saying the teacher's weights are not downloaded yet (a configs-only folder), else none."""
+    from distill.models.layout import components_without_weights
+
+    missing = components_without_weights(info.path)
+    if not missing:
+        return []
+    return [
+        f"  weights : not there yet ({', '.join(missing)} hold configs only): this plan comes from the "
+        f"configs; training needs them: python download_wan.py --local_dir {info.path}"
+    ]
 
 
 def memory_plan(
@@ -144,19 +312,22 @@ def memory_plan(
     student_config: dict[str, Any],
     device: torch.device,
     world_size: int = 1,
-    local_world_size: int = 1,
+    local_world_size: int | None = None,
     chosen: tuple[str, str] | None = None,
     critic_config: dict[str, Any] | None = None,
+    counts: RunCounts | None = None,
 ) -> str:
-    """Parameters, then a per-device memory table with one column per teacher placement, and which
-    placements fit the device (dmd adds the critic)."""
-    teacher_params = count_parameters(info.expert_config)
+    """Parameters, then a per-device memory table with one column per teacher placement, which
+    placements fit the device (dmd adds the critic), and with `counts` the run's compute cost.
+    `local_world_size`: ranks per node (default: all on one node)."""
+    local_world_size = local_world_size or world_size
+    teacher_params = parameter_count(info.expert_config)
     student_params, critic_params = trained_parameters(cfg, info, student_config, critic_config)
     teacher_dtype = resolve_dtype(cfg.teacher_dtype, device)
-    _, frames, height, width = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
-    tokens = frames * (height // info.patch_size[1]) * (width // info.patch_size[2])
+    tokens = tokens_of(cfg, info)
     lines = [
         f"teacher   : {info.path}",
+        *weights_line(info),
         f"  experts : 2 x {human_count(teacher_params)} parameters as {teacher_dtype}, "
         f"t >= {info.boundary_ratio * 1000:.0f} -> high-noise expert (transformer)",
         (
@@ -184,37 +355,49 @@ def memory_plan(
             else []
         ),
         f"latents   : {info.latent_shape(cfg.height, cfg.width, cfg.num_frames)} per sample, {tokens} tokens",
-        f"memory per device, GiB (rough; world size {world_size}, batch {cfg.batch_size}"
-        + (", gradient checkpointing)" if cfg.gradient_checkpointing else ")"),
+        "memory per device, {unit} (world size "
+        + f"{world_size}, batch {cfg.batch_size}"
+        + (", gradient checkpointing" if cfg.gradient_checkpointing else "")
+        + (f", autocast {AUTOCAST[cfg.mixed_precision]}" if AUTOCAST[cfg.mixed_precision] else "")
+        + ")",
         f"  {'':28s}" + "".join(f"{p:>10s}" for p in PLACEMENTS),
     ]
     estimates = {
-        p: estimate(cfg, info, student_config, device, p, world_size, critic_config) for p in PLACEMENTS
+        p: estimate(cfg, info, student_config, device, p, world_size, critic_config, local_world_size)
+        for p in PLACEMENTS
     }
-    rows = [("teacher share", "teacher"), ("student+grads+AdamW", "student")]
+    # Toy runs are planned in MiB: GiB with two decimals would read 0.00 everywhere.
+    unit, scale = ("GiB", GIB) if max(e.total for e in estimates.values()) >= GIB else ("MiB", 2**20)
+    lines = [line.replace("{unit}", unit) for line in lines]
+    rows = [("teacher share", "teacher"), ("student+AdamW", "student")]
     if critic_config is not None:
-        rows.append(("critic+grads+AdamW", "critic"))
+        rows.append(("critic+AdamW", "critic"))
+    if world_size > 1:
+        rows.append(("DDP gradient buckets", "buckets"))
     for label, field in (
         *rows,
-        ("activations", "activations"),
+        ("gradients+activations", "activations"),
         ("total", "total"),
         ("host RAM per rank (teacher)", "host_teacher"),
     ):
         lines.append(
-            f"  {label:24s}" + "".join(f"{getattr(estimates[p], field) / GIB:10.2f}" for p in PLACEMENTS)
+            f"  {label:28s}" + "".join(f"{getattr(estimates[p], field) / scale:10.2f}" for p in PLACEMENTS)
         )
+    peak = step_activations(cfg, info, student_config, critic_config, teacher_dtype)
+    lines.append(
+        f"  activations: the peak of a micro-step, during {peak.phase}; measured on the diffusers models at "
+        f"{tokens} tokens"
+    )
     if world_size < 2:
         lines.append("  (shard needs torchrun with several ranks; with one it equals gpu)")
+    elif 1 < local_world_size < world_size:
+        lines.append(
+            f"  shard: each expert sharded over the {local_world_size} GPUs of a node, replicated across nodes"
+        )
     if device.type == "cuda":
         capacity, where = torch.cuda.get_device_properties(device).total_memory, "this GPU"
     else:
         capacity, where = REFERENCE_GPU_BYTES, "an 80 GB GPU (no CUDA here)"
-    verdict = ", ".join(
-        f"{p} {'yes' if estimates[p].total <= capacity * HEADROOM else 'no'}"
-        for p in PLACEMENTS
-        if (p != "shard" or world_size > 1) and (p != "cpu" or not cfg.student_lora_rank)
-    )
-    lines.append(f"fits {where} ({capacity * HEADROOM / GIB:.0f} GiB usable): {verdict}")
     if chosen:
         lines.append(f"teacher placement: {chosen[0]} ({chosen[1]})")
     if local_world_size > 1 and not cfg.student_lora_rank:  # a LoRA run never streams its experts
@@ -222,4 +405,43 @@ def memory_plan(
             f"  cpu placement holds {local_world_size} teacher copies in each node's RAM "
             f"({estimates['cpu'].host_teacher * local_world_size / GIB:.1f} GiB)"
         )
+    verdict = ", ".join(
+        f"{p} {'yes' if estimates[p].total <= capacity * HEADROOM else 'no'}"
+        for p in PLACEMENTS
+        if (p != "shard" or world_size > 1) and (p != "cpu" or not cfg.student_lora_rank)
+    )
+    lines.append(f"fits {where} ({capacity * HEADROOM / GIB:.0f} GiB usable): {verdict}")
+    if counts is not None:
+        placement = chosen[0] if chosen else cfg.teacher_placement
+        cost = run_cost(
+            cfg,
+            info,
+            student_config,
+            critic_config,
+            counts,
+            world_size,
+            placement,
+            teacher_bytes(info, teacher_dtype)[0],
+        )
+        lines += cost_lines(cost, cfg, counts)
     return "\n".join(lines)
+
+
+def run_plan(
+    cfg: TrainConfig,
+    info: TeacherInfo,
+    student_config: dict[str, Any],
+    critic_config: dict[str, Any] | None,
+    device: torch.device,
+    ctx: DistContext,
+    chosen: tuple[str, str],
+) -> str:
+    """The plan a run prints (--dry_run) and logs at its start: memory per device at the launched world
+    size (or --plan_world_size, on nodes of torchrun's LOCAL_WORLD_SIZE, 8 when planning for another
+    machine), then the whole run's forwards and GPU-hours."""
+    world = cfg.plan_world_size or ctx.world_size
+    local_world = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", 8 if cfg.plan_world_size else 1)))
+    if cfg.plan_world_size and cfg.plan_world_size != ctx.world_size:
+        chosen = choose_placement(cfg, info, student_config, device, world, critic_config, local_world)
+    counts = RunCounts.from_config(cfg)
+    return memory_plan(cfg, info, student_config, device, world, local_world, chosen, critic_config, counts)

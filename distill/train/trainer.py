@@ -24,6 +24,7 @@ from distill.data.caches import TensorCache
 from distill.data.dataset import DistillationDataset
 from distill.data.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
 from distill.data.prompts import read_prompts, reference_prompts
+from distill.models.layout import require_weights
 from distill.models.lora import CRITIC_ADAPTER, STUDENT_ADAPTER, ExpertCopies, LoraExperts, LoraShape
 from distill.models.lora_files import lora_start
 from distill.models.original.configs import check_original_exportable
@@ -41,13 +42,14 @@ from distill.ops import distributed as dist_utils
 from distill.ops.distributed import DistContext
 from distill.ops.errors import DistillError, Progress, Stage
 from distill.ops.output_dir import hold_output_dir, writable_folder
+from distill.ops.paths import check_paths
 from distill.report.monitor import SampleMonitor, SampleSettings
 from distill.train import checkpoint as ckpt
 from distill.train.export import export_run
 from distill.train.identity import check_identity, run_identity
 from distill.train.loop import RunResult, TrainingLoop
 from distill.train.methods import method_class
-from distill.train.plan import choose_placement, memory_plan
+from distill.train.plan import choose_placement, run_plan
 
 
 def available_host_memory() -> int:
@@ -113,13 +115,21 @@ class Distiller:
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext | None = None) -> None:
         self.cfg = cfg
+        # Every path flag before the teacher is read; the output folders are proven writable too,
+        # except by a dry run, which writes nothing (and may plan for another machine's paths).
+        check_paths(cfg.path_flags(), probe=not cfg.dry_run)
         self.ctx = ctx if ctx is not None else dist_utils.setup("auto", cfg.device)
         self.device = self.ctx.device
         self.is_main = self.ctx.is_main
         # An original-layout teacher is converted once, next to the run's cache (storage all ranks share).
         self.info = inspect_teacher(
-            cfg.teacher_path, cfg.boundary_ratio, convert_dir=cfg.resolved_cache_dir / "teacher"
+            cfg.teacher_path,
+            cfg.boundary_ratio,
+            convert_dir=cfg.resolved_cache_dir / "teacher",
+            configs_only=cfg.dry_run,
         )
+        if not cfg.dry_run:  # a dry run plans from the configs alone (download_wan.py --configs_only)
+            require_weights(self.info.path)
         # Refuse a student that cannot work with this teacher before loading anything heavy. A LoRA
         # student is the teacher's own experts (both of one config) with adapters.
         self.student_config = (
@@ -171,24 +181,10 @@ class Distiller:
         )
 
     def plan(self) -> str:
-        world = self.cfg.plan_world_size or self.ctx.world_size
-        local_world = min(
-            world, int(os.environ.get("LOCAL_WORLD_SIZE", 8 if self.cfg.plan_world_size else 1))
-        )
-        placement = (self.placement, self.placement_reason)
-        if self.cfg.plan_world_size and self.cfg.plan_world_size != self.ctx.world_size:
-            placement = choose_placement(
-                self.cfg, self.info, self.student_config, self.device, world, self.critic_config
-            )
-        return memory_plan(
-            self.cfg,
-            self.info,
-            self.student_config,
-            self.device,
-            world,
-            local_world,
-            chosen=placement,
-            critic_config=self.critic_config,
+        """Memory per device, forwards and GPU-hours of this run (--dry_run prints it; every run logs it)."""
+        chosen = (self.placement, self.placement_reason)
+        return run_plan(
+            self.cfg, self.info, self.student_config, self.critic_config, self.device, self.ctx, chosen
         )
 
     @property
