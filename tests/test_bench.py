@@ -230,3 +230,17 @@ def test_dmd_bench_times_a_whole_cycle_and_each_of_its_phases(capsys):
     assert phases["critic_optimizer"]["median"] > 0 and phases["generator_optimizer"]["median"] > 0
     printed = capsys.readouterr().out
     assert "overhead ratio" in printed and "teacher real score" in printed and "critic fake score" in printed
+
+
+def test_plan_check_puts_the_plan_beside_a_real_run(tmp_path, capsys):
+    """`python -m distill.bench.plan_check` on the CPU at tiny sizes: its real column is a real run
+    (LoRA on a checkpointed clip), which the plan matches, and a row is printed and written per figure."""
+    from distill.bench import plan_check
+
+    case = next(c for c in plan_check.cases(small=True) if c.use.lora_rank and c.use.layers == 4)
+    plan, real = plan_check.planned(case), plan_check.measured(case, torch.device("cpu"))
+    assert real[1] > real[0] > 0
+    assert plan == pytest.approx(real, rel=0.01)
+    if not torch.cuda.is_available():  # the CUDA default says what to run instead
+        assert plan_check.main([]) == 0
+        assert "--device cpu --small" in capsys.readouterr().out
