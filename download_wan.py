@@ -46,7 +46,9 @@ from distill.models.layout import (
     present_entries,
     safetensors_problem,
 )
+from distill.ops.command import Parser, PathAction, entry_point, integer
 from distill.ops.errors import DistillError, Stage, report
+from distill.ops.paths import Kind
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ _NETWORK_ERROR_NAMES = {
 _OFFLINE_VALUES = {"1", "on", "yes", "true"}
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     """Entry point: returns the process exit code (0 on success)."""
     args = parse_args(argv)
@@ -148,18 +151,35 @@ def check_output_folder(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="download_wan.py",
         description="Download the Wan 2.2 teacher, verify a teacher folder, or write a tiny test teacher.",
         epilog="Exit codes: 0 OK, 2 usage error, 3 a path of the wrong kind (a file for a folder) or not "
         "writable, 4 --tiny folder refused, 5 download or teacher folder problem.",
     )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--tiny", metavar="DIR", help="write a tiny random teacher to DIR (no network)")
     mode.add_argument(
-        "--toy", metavar="DIR", help="write the small teacher trained on the toy world to DIR (no network)"
+        "--tiny",
+        metavar="DIR",
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        help="write a tiny random teacher to DIR (no network)",
     )
-    mode.add_argument("--verify", metavar="DIR", help="check that DIR holds a complete diffusers teacher")
+    mode.add_argument(
+        "--toy",
+        metavar="DIR",
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        help="write the small teacher trained on the toy world to DIR (no network)",
+    )
+    mode.add_argument(
+        "--verify",
+        metavar="DIR",
+        action=PathAction,
+        kind=Kind.FOLDER,
+        must_exist=False,
+        help="check that DIR holds a complete diffusers teacher",
+    )
     mode.add_argument(
         "--convert",
         nargs=2,
@@ -174,7 +194,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"known repository (default: {DEFAULT_PRESET})",
     )
     source.add_argument("--repo_id", help="any Hub repository in the diffusers layout")
-    parser.add_argument("--local_dir", help="download folder (default: models/<repository name>)")
+    parser.add_argument(
+        "--local_dir",
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        help="download folder (default: models/<repository name>)",
+    )
     parser.add_argument("--revision", help="branch, tag or commit of the repository")
     parser.add_argument("--token", help="Hub access token (default: $HF_TOKEN, then `hf auth login`)")
     parser.add_argument(
@@ -184,7 +209,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "tokenizer's: well under a MB, no weights): enough for train_distillation.py --dry_run to print a "
         "recipe's memory and GPU-hours; the same command without it fetches the rest later",
     )
-    parser.add_argument("--seed", type=int, help="with --tiny: seed of the random weights (default: 0)")
+    parser.add_argument(
+        "--seed", type=integer(0), help="with --tiny: seed of the random weights (default: 0)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="with --tiny: replace a non-empty DIR")
     parser.add_argument(
         "--layout",

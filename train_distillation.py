@@ -27,11 +27,10 @@ def debug_requested(argv: list[str]) -> bool:
     if os.environ.get("DISTILL_DEBUG") == "1":
         return True
     from distill.config.cli import parse_config  # no torch: this runs before torch is imported
-    from distill.ops.errors import DistillError
 
     try:
         return parse_config(argv).debug_distributed
-    except DistillError:  # reported properly by run()
+    except Exception:  # a DistillError or any other: run() reports it in the banner, not this early look
         return "--debug_distributed" in argv
 
 
@@ -137,6 +136,9 @@ def run(argv: list[str]) -> int:
         from distill.ops.errors import current_rank
 
         workers.silence_worker_signals()
+        # The interrupt can cut an object off in its constructor (a progress bar); its __del__ then
+        # complains at exit with a traceback that would follow this banner and say nothing of use.
+        sys.unraisablehook = lambda _unraisable: None
         rank = current_rank()
         print(
             f"{f'[Rank {rank}] ' if rank is not None else ''}interrupted during {Progress.where()}: what was finished is kept (cache entries, checkpoints); "

@@ -9,9 +9,13 @@ module), so `python -m distill train` and `download` run those scripts with the 
 
 from __future__ import annotations
 
+import difflib
 import runpy
 import sys
 from pathlib import Path
+
+from distill.ops.command import entry_point
+from distill.ops.errors import DistillError, Stage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,6 +63,7 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help", "help"):
@@ -66,8 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
-        print(f"unknown command {name!r}\n\n{usage()}", file=sys.stderr)
-        return 2
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        raise DistillError(
+            f"unknown command {name!r}" + (f": did you mean {close[0]}?" if close else ""),
+            usage(),
+            fixes=["run one of the commands above: python -m distill COMMAND [ARGS...]"],
+            stage=Stage.ARGV,
+        )
     target = COMMANDS[name][0]
     # Each command reads sys.argv itself, as it does when started on its own.
     sys.argv = [target, *rest]

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from distill.config.settings import PROMPT_SUFFIXES
+from distill.ops.command import Parser, PathAction, entry_point
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.paths import Kind, PathFlag, check_paths
 
@@ -242,20 +243,38 @@ def plot_summary(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m distill.demo",
         description="The demo's headline: a table from eval.json and summary.png (toy teacher only).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("eval", help="The folder python -m distill.evaluate wrote (or its eval.json).")
     parser.add_argument(
-        "--prompts", default=str(DEFAULT_PROMPTS), help=f"Toy prompts for the picture (the first {PICTURES})."
+        "eval",
+        action=PathAction,
+        kind=Kind.FILE_OR_FOLDER,
+        must_exist=False,  # read_eval names a missing one, with the command that writes it
+        help="The folder python -m distill.evaluate wrote (or its eval.json).",
     )
-    parser.add_argument("--output", help="The picture (default: summary.png beside the eval folder).")
+    parser.add_argument(
+        "--prompts",
+        default=str(DEFAULT_PROMPTS),
+        action=PathAction,
+        kind=Kind.FILE,
+        suffixes=PROMPT_SUFFIXES,
+        help=f"Toy prompts for the picture (the first {PICTURES}).",
+    )
+    parser.add_argument(
+        "--output",
+        action=PathAction,
+        kind=Kind.OUTPUT_FILE,
+        example="summary.png",
+        help="The picture (default: summary.png beside the eval folder).",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     return parser
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -11,7 +11,6 @@ the part of a training launch that most often fails on a new cluster.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -19,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from distill.config.settings import finite_float
 from distill.ops import distributed
+from distill.ops.command import Parser, PathAction, entry_point, number
 from distill.ops.errors import DistillError, report
 from distill.ops.paths import Kind, PathFlag, check_paths
 
@@ -66,12 +65,21 @@ def _teacher(path: str) -> str:
     return f"{info.path}: diffusers layout complete, boundary_ratio {info.boundary_ratio}"
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distill.doctor", description=__doc__.split("\n")[0])
-    parser.add_argument("--teacher_path", help="also check this teacher folder's layout")
+    parser = Parser(prog="python -m distill.doctor", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--teacher_path",
+        action=PathAction,
+        kind=Kind.FOLDER_OR_HUB,
+        help="also check this teacher folder's layout",
+    )
     parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"))
     parser.add_argument(
-        "--dist_timeout", type=finite_float, default=5.0, help="minutes to wait for the other ranks"
+        "--dist_timeout",
+        type=number(0.0, above=True),
+        default=5.0,
+        help="minutes to wait for the other ranks",
     )
     args = parser.parse_args(argv)
     try:  # a file given as the teacher is the user's mistake, not the machine's: a banner, not a FAIL

@@ -56,9 +56,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from distill.config.settings import PROMPT_SUFFIXES, finite_float
+from distill.config.flag_rules import Dependent, check_dependents, check_guidance, given_where
+from distill.config.settings import PROMPT_SUFFIXES
 from distill.models.teacher import resolve_dtype
+from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.errors import DistillError, Stage, report
+from distill.ops.paths import Kind
 from distill.report.measures import DEFAULT_MAX_SEQUENCE_LENGTH, EvalSettings
 from distill.report.summary import evaluate_student
 from distill.sample.run_settings import (
@@ -77,7 +80,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m distill.evaluate",
         description="Compare a distilled student with the Wan 2.2 teacher: eval.json and eval.png.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -85,64 +88,82 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--student",
         required=True,
+        action=PathAction,
+        kind=Kind.FOLDER,
+        must_exist=False,
         help="The exported student folder (OUTPUT/student; OUTPUT/lora for a LoRA run).",
     )
     parser.add_argument(
         "--teacher_path",
+        action=PathAction,
+        kind=Kind.FOLDER_OR_HUB,
         help="The Wan 2.2 A14B teacher (diffusers folder or hub id); default: the one the student's run used.",
     )
     parser.add_argument(
-        "--prompts", required=True, help="Prompt file (.txt, .jsonl or .csv), ideally held out."
+        "--prompts",
+        required=True,
+        action=PathAction,
+        kind=Kind.FILE,
+        suffixes=PROMPT_SUFFIXES,
+        help="Prompt file (.txt, .jsonl or .csv), ideally held out.",
     )
-    parser.add_argument("--output_dir", required=True, help="Where eval.json and eval.png go.")
+    parser.add_argument(
+        "--output_dir",
+        required=True,
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        help="Where eval.json and eval.png go.",
+    )
     defaults = EvalSettings()
     run = "default: the student's run_settings.json, else"
-    parser.add_argument("--height", type=int, help=f"Pixels ({run} {defaults.height}).")
-    parser.add_argument("--width", type=int, help=f"Pixels ({run} {defaults.width}).")
+    parser.add_argument("--height", type=integer(1), help=f"Pixels ({run} {defaults.height}).")
+    parser.add_argument("--width", type=integer(1), help=f"Pixels ({run} {defaults.width}).")
     parser.add_argument(
-        "--num_frames", type=int, help=f"1 = image, 4k+1 = video ({run} {defaults.num_frames})."
+        "--num_frames", type=integer(1), help=f"1 = image, 4k+1 = video ({run} {defaults.num_frames})."
     )
     parser.add_argument(
-        "--steps", type=int, help=f"Student sampler steps ({run} {defaults.steps}; a dmd student's K)."
+        "--steps", type=integer(1), help=f"Student sampler steps ({run} {defaults.steps}; a dmd student's K)."
     )
     parser.add_argument(
         "--teacher_steps",
-        type=int,
+        type=integer(1),
         help="Teacher sampler steps (default: --steps for a velocity student; for a few-step student "
         "the teacher steps of its run, also sampled at --steps for comparison).",
     )
-    parser.add_argument("--seed", type=int, help=f"Prompt i uses seed + i ({run} {defaults.seed}).")
-    parser.add_argument("--num_buckets", type=int, default=defaults.num_buckets)
-    parser.add_argument("--samples_per_bucket", type=int, default=defaults.samples_per_bucket)
+    parser.add_argument("--seed", type=integer(0), help=f"Prompt i uses seed + i ({run} {defaults.seed}).")
+    parser.add_argument("--num_buckets", type=integer(1), default=defaults.num_buckets)
+    parser.add_argument("--samples_per_bucket", type=integer(1), default=defaults.samples_per_bucket)
     parser.add_argument(
         "--guidance_scale",
-        type=finite_float,
+        type=number(1.0),
         help=f"Teacher, high-noise expert ({run} {defaults.guidance_scale}).",
     )
     parser.add_argument(
         "--guidance_scale_2",
-        type=finite_float,
+        type=number(1.0),
         help=f"Teacher, low-noise expert ({run} {defaults.guidance_scale_2}).",
     )
     parser.add_argument(
-        "--batch_size", type=int, default=defaults.probe_batch, help="Noised inputs per forward (memory)."
+        "--batch_size",
+        type=integer(1),
+        default=defaults.probe_batch,
+        help="Noised inputs per forward (memory).",
     )
     parser.add_argument(
         "--negative_prompt", help="Teacher's negative prompt (default: the run's, else empty)."
     )
-    parser.add_argument("--max_prompts", type=int, default=None, help="Use only the first N prompts.")
+    parser.add_argument("--max_prompts", type=integer(1), default=None, help="Use only the first N prompts.")
     parser.add_argument(
         "--max_sequence_length",
-        type=int,
+        type=integer(1),
         help=f"Prompt padding length; keep the training value ({run} {DEFAULT_MAX_SEQUENCE_LENGTH}).",
     )
     from distill.toy.evaluation import EVAL_PROMPTS
 
     parser.add_argument(
         "--toy_prompts",
-        type=int,
-        default=EVAL_PROMPTS,
-        help=f"Toy teacher only: world prompts scored, one sample each ({EVAL_PROMPTS} = all of them).",
+        type=integer(1),
+        help=f"Toy teacher only: world prompts scored, one sample each (default {EVAL_PROMPTS} = all of them).",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     parser.add_argument(
@@ -152,6 +173,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="Model dtype for teacher and student; auto = bfloat16 on CUDA, float32 on CPU.",
     )
     return parser
+
+
+# evaluate's flags that act only with another one (distill.config.flag_rules).
+EVALUATE_DEPENDENTS = (
+    Dependent(
+        ("negative_prompt",),
+        lambda a: max(a.guidance_scale, a.guidance_scale_2) > 1.0,
+        "a teacher guidance above 1",
+        "the negative prompt feeds the unconditional branch of the teacher's guidance, which does not "
+        "run at guidance 1",
+        "set --guidance_scale above 1 (Wan 2.2 A14B: 4.0)",
+    ),
+)
 
 
 def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | None:
@@ -186,14 +220,15 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
 
 def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     from distill.data.prompts import read_prompts
-    from distill.models.lora_files import is_lora_folder
     from distill.models.pipelines import check_sample_size, encode_prompts
     from distill.models.teacher import inspect_teacher, load_expert
     from distill.ops.output_dir import writable_folder
     from distill.ops.paths import Kind, PathFlag, check_paths
+    from distill.report.toy_report import toy_prompt_count
     from distill.sample.student_folder import (
         load_lora_student,
         load_student,
+        lora_student,
         pick_device,
         require_student_folder,
         student_limits,
@@ -211,7 +246,10 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         ]
     )
     writable_folder(args.output_dir, "--output_dir", create=False)
+    given = given_where(["negative_prompt"] if args.negative_prompt else [])  # "" changes nothing
     found = resolve_defaults(args)
+    check_guidance(("--guidance_scale", args.guidance_scale), ("--guidance_scale_2", args.guidance_scale_2))
+    check_dependents(args, given, EVALUATE_DEPENDENTS)
     for name in (
         "steps",
         "teacher_steps",
@@ -227,6 +265,8 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
                 stage=Stage.CONFIG,
             )
     info = inspect_teacher(args.teacher_path)
+    adapters = lora_student(student_dir, info)  # a LoRA folder: checked whole before anything loads
+    args.toy_prompts = toy_prompt_count(args.toy_prompts, info.path)  # before anything is sampled
     check_sample_size(
         args.height,
         args.width,
@@ -253,14 +293,14 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     prompts = read_prompts(args.prompts, "--prompts")[: args.max_prompts]
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if is_lora_folder(student_dir):  # the teacher's own experts: loaded once, adapters on for the student
-        student, high, low = load_lora_student(student_dir, info, device, dtype)
+    if adapters is not None:  # the teacher's own experts: loaded once, adapters on for the student
+        student, high, low = load_lora_student(student_dir, info, device, dtype, adapters)
     else:
         student = load_student(student_dir, info, device, dtype)
     embeddings = encode_prompts(
         info.path, [*prompts, args.negative_prompt], args.max_sequence_length, device, dtype
     )
-    if not is_lora_folder(student_dir):
+    if adapters is None:
         high = load_expert(info, "transformer", dtype).to(device)
         low = load_expert(info, "transformer_2", dtype).to(device)
     settings = EvalSettings(
@@ -304,6 +344,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

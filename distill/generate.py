@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from distill.config.settings import PROMPT_SUFFIXES, finite_float
+from distill.config.flag_rules import Dependent, check_dependents, check_guidance, given_where
+from distill.config.settings import PROMPT_SUFFIXES
 from distill.models.lora_files import FILES, is_lora_folder
 from distill.models.pipelines import (
     check_sample_size,
@@ -48,6 +49,7 @@ from distill.models.pipelines import (
     teacher_pipeline,
 )
 from distill.models.teacher import TeacherInfo, resolve_dtype
+from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.output_dir import writable_folder
 from distill.ops.paths import Kind, PathFlag, check_paths
@@ -62,6 +64,7 @@ from distill.sample.student_folder import (
     FALLBACK,
     TEACHER_GUIDANCE,
     load_student,
+    lora_student,
     pick_device,
     require_student_folder,
     student_limits,
@@ -76,7 +79,8 @@ def describe(args: argparse.Namespace, who: str, source: str) -> str:
     """One line naming the settings a render uses and where they came from."""
     frames = "1 frame" if args.num_frames == 1 else f"{args.num_frames} frames"
     return (
-        f"{who}: {args.height}x{args.width}, {frames}, {args.steps} steps, guidance {args.guidance}, "
+        f"{who}: {args.height}x{args.width}, {frames}, {args.steps} steps, guidance {args.guidance}"
+        f"{f' / {args.guidance_2}' if args.guidance_2 is not None else ''}, "
         f"max_sequence_length {args.max_sequence_length} ({source})"
     )
 
@@ -97,7 +101,8 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
             "num_frames": run.num_frames,
             "steps": FALLBACK["steps"] if args.teacher_only else run.num_inference_steps,
             "guidance": run.teacher_guidance_scale if args.teacher_only else run.guidance_scale,
-            "guidance_2": run.teacher_guidance_scale_2,
+            # A student samples with --guidance alone (a LoRA student's experts both take it).
+            "guidance_2": run.teacher_guidance_scale_2 if args.teacher_only else None,
             "negative_prompt": run.negative_prompt,
             "max_sequence_length": run.max_sequence_length,
         }
@@ -105,7 +110,7 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
         defaults = {
             **FALLBACK,
             "guidance": TEACHER_GUIDANCE[0] if args.teacher_only else 1.0,
-            "guidance_2": TEACHER_GUIDANCE[1],
+            "guidance_2": TEACHER_GUIDANCE[1] if args.teacher_only else None,
             "negative_prompt": "",
         }
         if args.student and not args.teacher_only:
@@ -181,12 +186,23 @@ def build_pipeline(
         pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path), **shared)
         if not lora:
             return pipe
-        # A LoRA run: the teacher with its adapters, loaded as stock diffusers loads them.
+        # A LoRA run: the teacher with its adapters, loaded as stock diffusers loads them (the folder
+        # was checked whole before anything loaded: distill.models.lora_folder).
         folder = str(args.student)
-        pipe.load_lora_weights(folder, weight_name=FILES["high"], adapter_name="fast")
-        pipe.load_lora_weights(
-            folder, weight_name=FILES["low"], adapter_name="fast_2", load_into_transformer_2=True
-        )
+        try:
+            pipe.load_lora_weights(folder, weight_name=FILES["high"], adapter_name="fast")
+            pipe.load_lora_weights(
+                folder, weight_name=FILES["low"], adapter_name="fast_2", load_into_transformer_2=True
+            )
+        except (ValueError, RuntimeError, KeyError, OSError) as exc:
+            text = str(exc).strip().splitlines()
+            raise DistillError(
+                f"diffusers cannot load the LoRA adapters in {folder}",
+                f"{type(exc).__name__}: {text[0] if text else ''}",
+                causes=["a LoRA file written by another tool, in keys diffusers does not convert"],
+                fixes=["pass the lora/ folder a LoRA run of train_distillation.py wrote"],
+                stage=Stage.CONFIG,
+            ) from None
     if run is not None and run.scheduler:
         scheduler = scheduler_from_config(run.scheduler)
         logger.info("the student samples with its run's %s (%s)", type(scheduler).__name__, run.method)
@@ -216,6 +232,36 @@ def check_counts(args: argparse.Namespace) -> None:
         )
 
 
+def generate_dependents(args: argparse.Namespace, two_experts: bool) -> tuple[Dependent, ...]:
+    """generate's flags that act only with another one (distill.config.flag_rules)."""
+    return (
+        Dependent(
+            ("guidance_2",),
+            lambda _: two_experts,
+            "--teacher_only or a LoRA student (OUTPUT/lora)",
+            "it is the guidance of the teacher's low-noise expert (transformer_2); a distilled student is "
+            "one model, sampled with --guidance alone",
+            "use --guidance for this student",
+        ),
+        Dependent(
+            ("negative_prompt",),
+            lambda a: a.guidance > 1.0,
+            "--guidance above 1",
+            "the negative prompt feeds the unconditional branch of guidance, which does not run at "
+            f"guidance {args.guidance:g}",
+            "set --guidance above 1",
+        ),
+    )
+
+
+def check_flags(args: argparse.Namespace, given: dict[str, str]) -> None:
+    """Guidance that would not be applied as given, and flags this render would ignore: refused."""
+    two_experts = args.teacher_only or is_lora_folder(args.student)
+    second = ("--guidance_2", args.guidance_2) if two_experts and args.guidance_2 is not None else None
+    check_guidance(("--guidance", args.guidance), second)
+    check_dependents(args, given, generate_dependents(args, two_experts))
+
+
 def path_flags(args: argparse.Namespace) -> list[PathFlag]:
     """This command's paths (distill.ops.paths). --output is a file for one prompt, a folder for
     several (decided once the prompts are read), so only an existing folder is judged as a folder."""
@@ -241,13 +287,20 @@ def generate(args: argparse.Namespace) -> list[Path]:
         )
     if not args.teacher_only:
         require_student_folder(args.student)
+    # The flags given (an empty negative prompt is the default's and changes nothing).
+    given = given_where(
+        name for name in ("guidance_2", "negative_prompt") if getattr(args, name) not in (None, "")
+    )
     found = resolve_defaults(args)
     check_counts(args)
+    check_flags(args, given)
     prompts = collect_prompts(args.prompt, args.prompts_file)
     targets = output_paths(args.output, len(prompts), args.num_frames)
     for folder in dict.fromkeys(target.parent for target in targets):  # before anything renders
         writable_folder(folder, "--output", create=False)
     info = inspect_teacher(args.teacher_path)
+    if not args.teacher_only:
+        lora_student(args.student, info)  # a LoRA folder: checked whole before anything loads
     model = teacher_limits(info) if args.teacher_only else student_limits(args.student, info)
     check_sample_size(
         args.height,
@@ -286,7 +339,8 @@ def generate(args: argparse.Namespace) -> list[Path]:
 def render(pipe: Any, args: argparse.Namespace, prompt: str, seed: int, output_type: str = "np") -> Any:
     """One sample with the resolved settings of `args`: frames (F, H, W, 3) in [0, 1], or the
     final latent with output_type="latent"."""
-    extra = {"guidance_scale_2": args.guidance_2} if args.teacher_only else {}
+    # None for a one-model student: WanPipeline refuses a second scale without a second expert.
+    extra = {"guidance_scale_2": args.guidance_2} if args.guidance_2 is not None else {}
     generator = torch.Generator("cpu").manual_seed(seed)
     if getattr(pipe.scheduler.config, "stochastic_sampling", False):
         # A few-step student's scheduler re-noises at every step from the global RNG (WanPipeline
@@ -311,39 +365,53 @@ def render(pipe: Any, args: argparse.Namespace, prompt: str, seed: int, output_t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m distill.generate",
         description="Generate with the distilled student (guidance 1) or, with --teacher_only, the teacher.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
         "--student",
+        action=PathAction,
+        kind=Kind.FOLDER,
+        must_exist=False,
         help="The exported student folder (OUTPUT/student or OUTPUT/student_ema; OUTPUT/lora for a LoRA run).",
     )
     run = "default: the student's run_settings.json, else"
     parser.add_argument(
         "--teacher_path",
+        action=PathAction,
+        kind=Kind.FOLDER_OR_HUB,
         help="The Wan 2.2 A14B teacher (diffusers folder or hub id); default: the one the student's run used.",
     )
     parser.add_argument("--prompt", action="append", help="A prompt; may be given several times.")
-    parser.add_argument("--prompts_file", help="More prompts, from a .txt / .jsonl / .csv file.")
+    parser.add_argument(
+        "--prompts_file",
+        action=PathAction,
+        kind=Kind.FILE,
+        suffixes=PROMPT_SUFFIXES,
+        help="More prompts, from a .txt / .jsonl / .csv file.",
+    )
     parser.add_argument("--output", required=True, help="Output file (one prompt) or folder (several).")
-    parser.add_argument("--height", type=int, help=f"Pixels ({run} {FALLBACK['height']}).")
-    parser.add_argument("--width", type=int, help=f"Pixels ({run} {FALLBACK['width']}).")
+    parser.add_argument("--height", type=integer(1), help=f"Pixels ({run} {FALLBACK['height']}).")
+    parser.add_argument("--width", type=integer(1), help=f"Pixels ({run} {FALLBACK['width']}).")
     parser.add_argument(
         "--num_frames",
-        type=int,
+        type=integer(1),
         help=f"1 = image (PNG), 4k+1 = video (MP4) ({run} {FALLBACK['num_frames']}).",
     )
-    parser.add_argument("--steps", type=int, help=f"Sampler steps ({run} {FALLBACK['steps']}).")
-    parser.add_argument("--seed", type=int, default=0, help="Prompt i uses seed + i.")
+    parser.add_argument("--steps", type=integer(1), help=f"Sampler steps ({run} {FALLBACK['steps']}).")
+    parser.add_argument("--seed", type=integer(0), default=0, help="Prompt i uses seed + i.")
     parser.add_argument(
         "--guidance",
-        type=finite_float,
+        type=number(1.0),
         help=f"Guidance scale ({run} 1.0 for the student, {TEACHER_GUIDANCE[0]} for the teacher).",
     )
     parser.add_argument(
-        "--guidance_2", type=finite_float, help=f"Teacher's low-noise guidance ({run} {TEACHER_GUIDANCE[1]})."
+        "--guidance_2",
+        type=number(1.0),
+        help="Low-noise expert's guidance of the teacher (--teacher_only; default: the run's, else "
+        f"{TEACHER_GUIDANCE[1]}) or of a LoRA student (default: --guidance); a one-model student has none.",
     )
     parser.add_argument("--negative_prompt", help="Used only when guidance > 1 (default: the run's).")
     parser.add_argument(
@@ -351,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max_sequence_length",
-        type=int,
+        type=integer(1),
         help=f"Prompt padding length; keep the training value ({run} {FALLBACK['max_sequence_length']}).",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
@@ -364,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -19,7 +19,6 @@ says so, writes nothing and exits 0: there is nothing here a CPU machine can che
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -30,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distill.config.settings import finite_float
+from distill.ops.command import Parser, PathAction, entry_point, number
 from distill.ops.errors import DistillError, report
 from distill.ops.files import atomic_write_text
 from distill.ops.paths import Kind, PathFlag, check_paths
@@ -196,7 +195,9 @@ def last_line(log: Path) -> str:
         if log.is_file()
         else []
     )
-    return lines[-1].strip()[:200] if lines else "(no output)"
+    # A command that failed with the banner: its title says what, the banner's closing bar nothing.
+    titles = [line for line in lines if line.lstrip().startswith("ERROR (")]
+    return (titles or lines)[-1].strip()[:200] if lines else "(no output)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,13 +258,20 @@ def machine() -> dict[str, Any]:
     }
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distill.gpu_check", description=__doc__.split("\n")[0])
+    parser = Parser(prog="python -m distill.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--output_dir", default="outputs/gpu-check", help="where the JSON, logs and reports go"
+        "--output_dir",
+        default="outputs/gpu-check",
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        help="where the JSON, logs and reports go",
     )
     parser.add_argument("--only", action="append", help="run only this step (repeatable)")
-    parser.add_argument("--step_timeout", type=finite_float, default=1800.0, help="seconds one step may take")
+    parser.add_argument(
+        "--step_timeout", type=number(0.0, above=True), default=1800.0, help="seconds one step may take"
+    )
     args = parser.parse_args(argv)
     names = {step.name for step in plan_steps(sys.maxsize)}
     unknown = set(args.only or ()) - names

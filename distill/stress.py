@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distill.ops.command import Parser, PathAction, entry_point, integer
 from distill.ops.errors import DistillError, report
 from distill.ops.paths import Kind, PathFlag, check_paths
 
@@ -420,12 +421,13 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     names = [*SCENARIOS, CHECKPOINT_KILL]
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m distill.stress", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--runs", type=int, default=10, help="runs per scenario (default 10)")
+    parser.add_argument("--runs", type=integer(1), default=10, help="runs per scenario (default 10)")
     parser.add_argument(
         "--hog",
         choices=("never", "alternate", "always"),
@@ -434,7 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--scenario", action="append", choices=names, help="only these (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    parser.add_argument("--workdir", type=Path, help="scratch folder (default: a new temporary one)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        help="scratch folder (default: a new temporary one)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for scenario in SCENARIOS.values():

@@ -42,8 +42,10 @@ def test_evaluate_names_its_own_flags(tiny_teacher, tmp_path, capsys):
     assert (
         code != 0 and f"--prompts {tmp_path / 'no.txt'}: file not found" in err and "--data_path" not in err
     )
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n")
     code = evaluate.main(
-        ["--student", str(tmp_path / "none"), "--prompts", "x", "--output_dir", str(tmp_path / "e")]
+        ["--student", str(tmp_path / "none"), "--prompts", str(prompts), "--output_dir", str(tmp_path / "e")]
     )
     err = capsys.readouterr().err
     assert code == 3 and "student folder not found" in err and "--teacher_only" not in err

@@ -108,7 +108,7 @@ def test_the_table_and_the_json_come_from_steps_that_really_ran(tmp_path):
     assert by_name["bench-cpu"].figures["overhead_ratio"] == bench["overhead_ratio"]
     assert by_name["bench-cpu"].figures["mfu"] is None and by_name["bench-cpu"].seconds > 0
     assert by_name["one-test"].figures == {"tests": 1, "failures": 0, "errors": 0, "skipped": 0, "passed": 1}
-    assert "--steps must be positive" in by_name["bench-bad"].note  # the log's last line, quoted
+    assert "--steps: must be 1 or more" in by_name["bench-bad"].note  # the banner's title, quoted
     assert "no test ran" in by_name["gpu-tests"].note and by_name["gpu-tests"].figures["passed"] == 0
 
     table = format_table(results).splitlines()

@@ -25,10 +25,10 @@ from distill.models.lora import (
 from distill.models.lora_files import (
     FILES,
     WAN_FORMAT_DIR,
-    read_lora_folder,
     wan_format_problem,
     write_lora_folder,
 )
+from distill.models.lora_folder import read_lora_folder
 from distill.models.tiny import build_tiny_pipeline
 from distill.train.trainer import Distiller
 from train_distillation import main

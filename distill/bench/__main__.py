@@ -4,4 +4,5 @@ import sys
 
 from distill.bench.cli import main
 
-main(sys.argv[1:])
+result = main(sys.argv[1:])
+sys.exit(result if isinstance(result, int) else 0)  # a refusal returns its exit code

@@ -48,21 +48,27 @@ from typing import Any
 from distill.bench.run import run_bench
 from distill.bench.settings import PRESETS, BenchSettings
 from distill.bench.table import format_table
-from distill.config.settings import finite_float
-from distill.ops.errors import DistillError, report
+from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.paths import Kind, PathFlag, check_paths
 
 logger = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[BenchSettings, Path | None]:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m distill.bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
-    parser.add_argument("--json", type=Path, help="write the results here as JSON")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        action=PathAction,
+        kind=Kind.OUTPUT_FILE,
+        example="bench.json",
+        help="write the results here as JSON",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"))
     for name in (
         "steps",
@@ -75,20 +81,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchSettings, Path | Non
         "text_len",
         "seed",
     ):
-        parser.add_argument(f"--{name}", type=int)
-    parser.add_argument("--teacher_layers", type=int, help="blocks per teacher expert")
-    parser.add_argument("--student_layers", type=int, help="blocks of the student")
+        parser.add_argument(f"--{name}", type=integer(0 if name in ("warmup", "seed") else 1))
+    parser.add_argument("--teacher_layers", type=integer(1), help="blocks per teacher expert")
+    parser.add_argument("--student_layers", type=integer(1), help="blocks of the student")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="teacher weights / student autocast")
     for name in ("teacher_on_cpu", "gradient_checkpointing", "compile"):
         parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument(
-        "--peak_tflops", type=finite_float, help="peak FLOP/s for MFU (default: by device name)"
+        "--peak_tflops", type=number(0.0, above=True), help="peak FLOP/s for MFU (default: by device name)"
     )
     parser.add_argument(
         "--method", choices=("velocity", "dmd"), help="the training method whose step is timed (velocity)"
     )
-    parser.add_argument("--critic_updates", type=int, help="dmd: critic updates per generator update (5)")
-    parser.add_argument("--student_steps", type=int, help="dmd: the student's sampling steps K (4)")
+    parser.add_argument(
+        "--critic_updates", type=integer(1), help="dmd: critic updates per generator update (5)"
+    )
+    parser.add_argument("--student_steps", type=integer(1), help="dmd: the student's sampling steps K (4)")
     args = vars(parser.parse_args(argv))
     preset, json_path = args.pop("preset"), args.pop("json")
     overrides = {key: value for key, value in args.items() if value is not None}
@@ -102,16 +110,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchSettings, Path | Non
     for name in ("steps", "warmup", "block", "batch_size", "critic_updates", "student_steps"):
         if getattr(settings, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name} must be positive")
+    # The sizes the Wan VAE and patching take (the trainer's own rule): anything else has no tokens.
+    for name in ("height", "width"):
+        if getattr(settings, name) % 16:
+            parser.error(
+                f"--{name} must be a multiple of 16 (VAE stride 8 x patch 2), got {getattr(settings, name)}"
+            )
+    if settings.num_frames % 4 != 1:
+        parser.error(f"--num_frames must be 4k+1 (1, 5, 9, ...), got {settings.num_frames}")
     return settings, json_path
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """The benchmark's results, or (returned by entry_point) the exit code of a refusal."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     settings, json_path = parse_args(argv)
-    try:  # before the benchmark runs, not after: a bad --json would throw its minutes away
-        check_paths([PathFlag("--json", json_path, Kind.OUTPUT_FILE, example="bench.json")])
-    except DistillError as error:
-        raise SystemExit(report(error)) from None
+    # Before the benchmark runs, not after: a bad --json would throw its minutes away.
+    check_paths([PathFlag("--json", json_path, Kind.OUTPUT_FILE, example="bench.json")])
     result = run_bench(settings)
     print(format_table(result))
     if json_path is not None:
@@ -122,4 +138,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    result = main(sys.argv[1:])
+    sys.exit(result if isinstance(result, int) else 0)

@@ -13,8 +13,8 @@ keeps), `peak` over forward + loss + backward, or the peak of a forward without 
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from distill.bench.settings import A14B_EXPERT, SMALL_EXPERT
+from distill.ops.command import Parser, PathAction, entry_point
+from distill.ops.paths import Kind, PathFlag, check_paths
 from distill.train.activations import DTYPES, ModelUse, no_grad_peak, trained
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -193,14 +195,21 @@ def measured(case: Case, device: torch.device) -> tuple[float, float]:
     return held, peak
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m distill.bench.plan_check", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser = Parser(prog="python -m distill.bench.plan_check", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default) or cpu")
     parser.add_argument("--small", action="store_true", help="tiny shapes (any machine, seconds)")
-    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--json",
+        action=PathAction,
+        kind=Kind.OUTPUT_FILE,
+        example="plan_check.json",
+        help="also write the rows to this file",
+    )
     args = parser.parse_args(argv)
+    # Before the cases run, not after: a --json that cannot be written would throw their minutes away.
+    check_paths([PathFlag("--json", args.json, Kind.OUTPUT_FILE, example="plan_check.json")])
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("plan_check: torch sees no CUDA device; run with --device cpu --small on this machine")
@@ -217,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case.name:32} {what:8} {p / GB:9.3f} {r / GB:9.3f} {ratio:9.3f}", flush=True)
             rows.append({"case": case.name, "what": what, "plan_bytes": p, "real_bytes": r, "ratio": ratio})
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)  # as --json promises
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "rows": rows}, f, indent=2)
     return 0

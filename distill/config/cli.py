@@ -13,7 +13,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from distill.config.file_values import blame_the_file, check_value, read_mapping, rename_aliases
+from distill.config.flag_rules import TRAIN_DEPENDENTS, check_dependents, given_where
 from distill.config.settings import TrainConfig, config_error, field_types
+from distill.ops.command import PathAction
 from distill.ops.errors import DistillError, Stage
 from distill.ops.paths import Kind, PathFlag, check_paths
 
@@ -97,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     types = field_types()
+    # Path settings are checked by kind as they are parsed (distill.ops.command.PathAction), with the
+    # rules TrainConfig.validate applies to them from a config file too.
+    paths = {flag.flag: flag for flag in TrainConfig(output_dir=".").path_flags()}
     for f in dataclasses.fields(TrainConfig):
         kind = types[f.name]
         base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
@@ -106,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
         flags = [f"--{f.name}"] + [alias for alias, target in FLAG_ALIASES.items() if target == f"--{f.name}"]
         if base is bool:
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+        elif f"--{f.name}" in paths:
+            rule = paths[f"--{f.name}"]
+            parser.add_argument(
+                *flags,
+                action=PathAction,
+                kind=rule.kind,
+                stage=rule.stage,
+                must_exist=rule.must_exist,
+                suffixes=rule.suffixes,
+                help=help_text,
+            )
         else:
             parser.add_argument(
                 *flags, type=base, choices=f.metadata["choices"], help=help_text, metavar=None
@@ -124,12 +141,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     check_paths([PathFlag("--config", path, Kind.FILE, suffixes=(".yaml", ".yml", ".json"))])
     text = path.read_text(encoding="utf-8")
     try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
+        data = read_mapping(path, text)
+    except DistillError:
+        raise
     except (json.JSONDecodeError, Exception) as exc:  # yaml.YAMLError has no common base with json's
         raise DistillError(
             f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}",
@@ -145,17 +159,43 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             f"found a {type(data).__name__}",
             stage=Stage.CONFIG,
         )
-    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    names = list(fields)
+    aliases = {alias[2:]: target[2:] for alias, target in FLAG_ALIASES.items()}
     for key in data:
-        if key not in names:
+        if not isinstance(key, str):
             raise DistillError(
-                f"unknown setting '{key}' in {path}.{_did_you_mean(key, names)}",
+                f"{path} has the key {key!r}, which is not a setting name",
+                "YAML reads yes, no, on, off, true, false and numbers as values, even as keys.",
+                fixes=["use the setting names of `python train_distillation.py --help` as keys"],
+                stage=Stage.CONFIG,
+            )
+        if key == "config":
+            raise DistillError(
+                f"'config' in {path}: a config file cannot name another one",
+                "It would be ignored: only the --config given on the command line is read.",
+                fixes=[f"copy the settings you need into {path}, and remove the 'config' line"],
+                stage=Stage.CONFIG,
+            )
+        if key not in names and key not in aliases:
+            plain = key.lstrip("-").replace("-", "_")
+            hint = (
+                f" Settings in a file are written without -- and with underscores: {aliases.get(plain, plain)}:"
+                if plain in names or plain in aliases
+                else _did_you_mean(key, names + list(aliases))
+            )
+            raise DistillError(
+                f"unknown setting '{key}' in {path}.{hint}",
                 fixes=[
                     f"remove '{key}' or rename it; `python train_distillation.py --help` lists every setting"
                 ],
                 stage=Stage.CONFIG,
             )
-    return data
+    data = rename_aliases(data, aliases, path)
+    types = field_types()
+    return {
+        key: check_value(key, value, types[key], fields[key].default, path) for key, value in data.items()
+    }
 
 
 # What --method dmd uses for the settings a command line or --config file leaves out: the rates and
@@ -177,6 +217,13 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     values: dict[str, Any] = {}
     if getattr(given, "config", None):
         values.update(load_config_file(given.config))
+    from_file = {name: value for name, value in values.items() if name not in vars(given)}
+    # What the user set, and where: a setting that acts only with another one is refused by this name.
+    where = given_where(
+        [k for k, v in vars(given).items() if v is not None],
+        [k for k, v in values.items() if v is not None],
+        getattr(given, "config", None),
+    )
     values.update(vars(given))
     types = field_types()
     for name, value in list(values.items()):
@@ -197,7 +244,13 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     cfg = TrainConfig(**values)
     if cfg.num_steps is None and cfg.num_epochs is None:
         cfg.num_steps = 1000
-    cfg.validate()
+    try:
+        cfg.validate()
+    except DistillError as error:  # a value of the file is named as the file's, not as a flag
+        if from_file:
+            raise blame_the_file(error, from_file, given.config) from None
+        raise
+    check_dependents(cfg, where, TRAIN_DEPENDENTS)
     return cfg
 
 

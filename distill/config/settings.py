@@ -10,14 +10,15 @@ that span several fields sit beside them: one place says what a flag means and w
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distill.config.flag_rules import check_guidance
 from distill.ops.errors import DistillError, Stage
 from distill.ops.paths import Kind, PathFlag, check_paths
 
@@ -29,20 +30,16 @@ PROMPT_SUFFIXES = (".txt", ".jsonl", ".csv", ".tsv")
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
 
 
+def canonical_lora_targets(names: Iterable[str]) -> tuple[str, ...]:
+    """LoRA target names without repeats, in one order (LORA_TARGETS', then any other name sorted):
+    the same set of modules is the same adapter shape, however the flag spelled it."""
+    given = {name.strip() for name in names if name.strip()}
+    return tuple(t for t in LORA_TARGETS if t in given) + tuple(sorted(given - set(LORA_TARGETS)))
+
+
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **extra: Any) -> Any:
     """A dataclass field that carries its CLI help text (and choices) as metadata."""
     return field(default=default, metadata={"help": help, "choices": choices, **extra})
-
-
-def finite_float(text: str) -> float:
-    """argparse type of the command-line tools' number flags: inf and nan are refused by name."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
 
 
 def parse_betas(text: str) -> tuple[float, float]:
@@ -59,7 +56,9 @@ class TrainConfig:
         "Wan2.2-T2V-A14B teacher: a local diffusers folder or a hub id (Wan-AI/Wan2.2-T2V-A14B-Diffusers).",
     )
     student_config: str | None = _opt(None, "JSON file of WanTransformer3DModel keys for the student.")
-    data_path: str | None = _opt(None, "Prompts: .txt (one per line), .jsonl or .csv with a 'prompt' field.")
+    data_path: str | None = _opt(
+        None, "Prompts: .txt (one per line), .jsonl, or .csv / .tsv with a 'prompt' column."
+    )
     output_dir: str | None = _opt(None, "Where checkpoints, metrics, caches and the exported student go.")
     cache_dir: str | None = _opt(
         None, "Prompt-embedding and clean-latent caches (default <output_dir>/cache); share it between runs."
@@ -349,6 +348,9 @@ class TrainConfig:
             "reference_prompts",
         ]
         self._validate_finite()
+        check_guidance(
+            ("--guidance_scale", self.guidance_scale), ("--guidance_scale_2", self.guidance_scale_2)
+        )
         for name in positive + ["num_steps", "num_epochs", "max_prompts", "plan_world_size"]:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -426,9 +428,23 @@ class TrainConfig:
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise config_error("device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
+        self._validate_not_negative()
         # Paths last, by kind only (a stat each, nothing written): a file where a folder goes fails
         # here, before the teacher is read; Distiller proves the output folders writable.
         check_paths(self.path_flags(), probe=False)
+
+    def _validate_not_negative(self) -> None:
+        """No number setting means anything below 0 (a seed, a weight, a rate, a shift): those without
+        a rule of their own above, or whose rule applies only to some runs, are refused here too."""
+        types = field_types()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            base = next((a for a in typing.get_args(types[f.name]) if a is not type(None)), types[f.name])
+            if base in (int, float) and value is not None and value < 0:
+                default = f" (its default is {f.default})" if f.default is not None else ""
+                raise config_error(
+                    f.name, f"must be 0 or more, got {value}", f"set --{f.name} to 0 or more{default}"
+                )
 
     def _validate_finite(self) -> None:
         """inf or nan in any number setting: refused before it trains a student of NaNs."""
@@ -448,18 +464,7 @@ class TrainConfig:
                 "student_lora_rank", "must be 0 (off) or positive", "try --student_lora_rank 64"
             )
         if not self.student_lora_rank:
-            for name in ("student_lora_alpha", "critic_lora_rank", "student_lora_init"):
-                if getattr(self, name) is not None:
-                    raise config_error(
-                        name, "needs --student_lora_rank", f"add --student_lora_rank 64, or drop --{name}"
-                    )
-            if self.expert_phase != "both":
-                raise config_error(
-                    "expert_phase",
-                    "needs --student_lora_rank",
-                    "add --student_lora_rank 64, or drop --expert_phase",
-                )
-            return
+            return  # LoRA settings given without a rank: distill.config.flag_rules refuses them
         if self.expert_phase != "both" and self.method != "dmd":
             raise config_error(
                 "expert_phase",
@@ -504,6 +509,8 @@ class TrainConfig:
                 f"has unknown module name(s) {', '.join(unknown) or '(none given)'}",
                 f"choose among {','.join(LORA_TARGETS)}",
             )
+        # Stored and compared as one canonical list: to_q,to_q is to_q, and to_v,to_q is to_q,to_v.
+        self.student_lora_targets = ",".join(self.lora_targets)
         if "original" in self.export_formats.split(","):
             raise config_error(
                 "export_formats",
@@ -529,7 +536,7 @@ class TrainConfig:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.student_lora_targets.split(",") if t.strip())
+        return canonical_lora_targets(self.student_lora_targets.split(","))
 
     @property
     def phase_experts(self) -> tuple[str, ...]:

@@ -1,12 +1,18 @@
-"""Prompt files: one prompt per line (.txt), a `prompt` or `text` column (.csv/.tsv), or JSON lines.
-A missing, empty or unreadable file is refused with the flag that named it."""
+"""Prompt files: one prompt per line (.txt), a `prompt` column (.csv comma-, .tsv tab-separated,
+with a header line), or JSON lines ({"prompt": "..."} per line, .jsonl).
+A missing, empty or unreadable file is refused with the flag that named it, and a record that holds
+no usable prompt (a missing field, null, a number, empty text, a row with more fields than its
+header) with its line: training on "None" or on half a prompt would go unnoticed."""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
+from typing import Any
 
+from distill.config.settings import PROMPT_SUFFIXES
 from distill.ops.errors import DistillError, Stage
 
 
@@ -15,19 +21,19 @@ def _data_error(path: Path, problem: str, fix: str, flag: str = "--data_path") -
 
 
 def read_prompts(path: str | Path, flag: str = "--data_path") -> list[str]:
-    """Prompts from .txt (one a line; blank and '#' lines skipped), .jsonl or .csv (a 'prompt' field).
+    """Prompts from .txt (one a line; blank and '#' lines skipped), .jsonl, .csv or .tsv (a 'prompt' field).
 
     `flag` is the setting the path came from, named in every error.
     """
     path = Path(path)
     if path.is_dir():
-        inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in (".txt", ".jsonl", ".csv"))
+        inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in PROMPT_SUFFIXES)
         raise _data_error(
             path,
             "is a folder; a prompts file is expected",
             f"pass one file, e.g. {flag} {path / inside[0]}"
             if inside
-            else "pass a .txt, .jsonl or .csv file",
+            else "pass a .txt, .jsonl, .csv or .tsv file",
             flag,
         )
     if not path.is_file():
@@ -37,7 +43,7 @@ def read_prompts(path: str | Path, flag: str = "--data_path") -> list[str]:
     raw = path.read_bytes()
     if b"\x00" in raw[:8192]:
         raise _data_error(
-            path, "looks like a binary file, not text", "pass a UTF-8 .txt, .jsonl or .csv file", flag
+            path, "looks like a binary file, not text", "pass a UTF-8 .txt, .jsonl, .csv or .tsv file", flag
         )
     try:
         text = raw.decode("utf-8-sig")
@@ -49,16 +55,8 @@ def read_prompts(path: str | Path, flag: str = "--data_path") -> list[str]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         prompts = _prompts_from_jsonl(path, text, flag)
-    elif suffix == ".csv":
-        rows = list(csv.DictReader(text.splitlines()))
-        if rows and "prompt" not in rows[0]:
-            raise _data_error(
-                path,
-                f"has no 'prompt' column (columns: {', '.join(rows[0])})",
-                "name the column 'prompt'",
-                flag,
-            )
-        prompts = [row["prompt"].strip() for row in rows]
+    elif suffix in (".csv", ".tsv"):
+        prompts = _prompts_from_table(path, text, flag, "\t" if suffix == ".tsv" else ",")
     else:
         prompts = [line.strip() for line in text.splitlines() if not line.lstrip().startswith("#")]
     prompts = [p for p in prompts if p]
@@ -80,12 +78,89 @@ def _prompts_from_jsonl(path: Path, text: str, flag: str) -> list[str]:
             raise _data_error(
                 path, f"line {number} is not JSON ({exc.msg})", "one JSON object per line", flag
             ) from None
-        if not isinstance(record, dict) or "prompt" not in record:
+        if not isinstance(record, dict):
             raise _data_error(
-                path, f"line {number} has no 'prompt' field", 'write {"prompt": "..."} per line', flag
+                path,
+                f"line {number} is a JSON {_json_kind(record)}, not an object",
+                'write one {"prompt": "..."} object per line',
+                flag,
             )
-        prompts.append(str(record["prompt"]).strip())
+        if "prompt" not in record:
+            fields = ", ".join(record) or "none"
+            raise _data_error(
+                path,
+                f"line {number} has no 'prompt' field (fields: {fields})",
+                'write {"prompt": "..."} per line',
+                flag,
+            )
+        prompts.append(_prompt_text(path, number, record["prompt"], flag))
     return prompts
+
+
+def _prompts_from_table(path: Path, text: str, flag: str, delimiter: str) -> list[str]:
+    """The 'prompt' column of a .csv / .tsv file whose first line names the columns."""
+    kind = "tab" if delimiter == "\t" else "comma"
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
+    prompts = []
+    try:
+        columns = reader.fieldnames or []
+        if columns and "prompt" not in columns:
+            raise _data_error(
+                path,
+                f"has no 'prompt' column in its first line ({kind}-separated columns: "
+                f"{', '.join(repr(c) for c in columns)})",
+                f"start the file with a header line naming the column 'prompt' ({kind}-separated), "
+                "or save one prompt per line as .txt",
+                flag,
+            )
+        for row in reader:
+            line = reader.line_num
+            if None in row:  # fields beyond the header: an unquoted separator split the prompt
+                raise _data_error(
+                    path,
+                    f"line {line} has more {kind}-separated fields than the header ({len(columns)})",
+                    f'put the prompt in double quotes ("...") when it holds a {kind}',
+                    flag,
+                )
+            if row["prompt"] is None:
+                raise _data_error(
+                    path,
+                    f"line {line} has no 'prompt' field (fewer {kind}-separated fields than the header)",
+                    "give every row a value for each column of the header",
+                    flag,
+                )
+            prompts.append(_prompt_text(path, line, row["prompt"], flag))
+    except csv.Error as exc:
+        raise _data_error(
+            path, f"line {reader.line_num} is not valid {kind}-separated text ({exc})", "fix that line", flag
+        ) from None
+    return prompts
+
+
+def _prompt_text(path: Path, line: int, value: Any, flag: str) -> str:
+    """A record's prompt as text, refused when it is not text or is empty (str(None) is "None")."""
+    if not isinstance(value, str):
+        raise _data_error(
+            path,
+            f"line {line}: the prompt is {json.dumps(value)[:40]} (a JSON {_json_kind(value)}), not text",
+            'write the prompt as a string: {"prompt": "..."}',
+            flag,
+        )
+    if not value.strip():
+        raise _data_error(
+            path, f"line {line} has an empty prompt", "write the prompt, or remove the line", flag
+        )
+    return value.strip()
+
+
+def _json_kind(value: Any) -> str:
+    """JSON's own name for the type of a parsed value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    kinds = {dict: "object", list: "array", str: "string", int: "number", float: "number"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def reference_prompts(prompts: list[str], count: int) -> list[str]:

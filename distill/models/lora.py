@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from distill.config.settings import LORA_TARGETS as DEFAULT_TARGETS
+from distill.config.settings import canonical_lora_targets
 from distill.models.flow_matching import high_noise_mask
 from distill.models.lockstep import one_token_inputs
 from distill.ops.distributed import any_rank
@@ -43,6 +44,11 @@ class LoraShape:
     rank: int
     alpha: float
     targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self) -> None:
+        # One spelling per set of modules: adapters written with the targets in another order (or
+        # a name twice) are the same shape, and compare equal to this run's.
+        object.__setattr__(self, "targets", canonical_lora_targets(self.targets))
 
     def peft_config(self) -> Any:
         from peft import LoraConfig
@@ -369,11 +375,11 @@ class LoraExperts:
             switch.use(None)
 
 
-def count_adapter_parameters(expert_config: dict[str, Any], shape: LoraShape) -> int:
-    """Parameters of one adapter set on one expert, from the config alone (for the memory plan)."""
+def target_sizes(expert_config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each LoRA target linear of an expert, from its config alone."""
     width = expert_config["num_attention_heads"] * expert_config["attention_head_dim"]
     ffn = expert_config["ffn_dim"]
-    sizes = {  # (in, out) of each target linear
+    return {
         "to_q": (width, width),
         "to_k": (width, width),
         "to_v": (width, width),
@@ -381,6 +387,11 @@ def count_adapter_parameters(expert_config: dict[str, Any], shape: LoraShape) ->
         "ffn.net.0.proj": (width, ffn),
         "ffn.net.2": (ffn, width),
     }
+
+
+def count_adapter_parameters(expert_config: dict[str, Any], shape: LoraShape) -> int:
+    """Parameters of one adapter set on one expert, from the config alone (for the memory plan)."""
+    sizes = target_sizes(expert_config)
     per_block = 0
     for target in shape.targets:
         fan_in, fan_out = sizes[target]

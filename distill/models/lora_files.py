@@ -125,23 +125,10 @@ def write_lora_folder(
 
 
 def is_lora_folder(folder: str | Path) -> bool:
+    """Whether `folder` holds any file of a LoRA folder: it is then read as one, and
+    distill.models.lora_folder names whatever is missing or wrong in it."""
     folder = Path(folder)
-    return all((folder / name).is_file() for name in FILES.values())
-
-
-def read_lora_folder(folder: str | Path) -> tuple[LoraShape, dict[str, dict[str, torch.Tensor]]]:
-    """(shape, {"high": state, "low": state}) of a folder `write_lora_folder` wrote, in diffusers key
-    names without the `transformer.` prefix."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    config = json.loads((folder / "adapter_config.json").read_text())
-    shape = LoraShape(int(config["r"]), float(config["lora_alpha"]), tuple(config["target_modules"]))
-    states = {
-        which: {k.removeprefix("transformer."): v for k, v in load_file(folder / name).items()}
-        for which, name in FILES.items()
-    }
-    return shape, states
+    return any((folder / name).is_file() for name in (*FILES.values(), "adapter_config.json"))
 
 
 def merged_state(expert: torch.nn.Module, adapter: str, keep: bool = True) -> dict[str, torch.Tensor]:
@@ -203,26 +190,3 @@ def write_merged_experts(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
-
-
-def lora_start(folder: str | Path, shape: LoraShape) -> dict[str, dict[str, torch.Tensor]]:
-    """The adapters of `folder` (--student_lora_init), refused unless they have this run's shape."""
-    if not is_lora_folder(folder):
-        raise DistillError(
-            f"--student_lora_init {folder} holds no LoRA adapters",
-            f"expected {', '.join(FILES.values())} there",
-            fixes=["pass the lora/ folder an earlier LoRA run wrote into its --output_dir"],
-            stage=Stage.CONFIG,
-        )
-    found, states = read_lora_folder(folder)
-    if found != shape:
-        raise DistillError(
-            f"--student_lora_init {folder} has other adapters than this run asks for",
-            f"there: rank {found.rank}, alpha {found.alpha:g}, targets {','.join(found.targets)}\n"
-            f"this run: rank {shape.rank}, alpha {shape.alpha:g}, targets {','.join(shape.targets)}",
-            fixes=[
-                "use the same --student_lora_rank, --student_lora_alpha and --student_lora_targets as that run"
-            ],
-            stage=Stage.CONFIG,
-        )
-    return states

@@ -32,7 +32,7 @@ from distill.models.student_config import (
     wan_class,
 )
 from distill.ops.errors import DistillError, Stage
-from distill.ops.files import disk_is_full, staging_folder, swap_into_place
+from distill.ops.files import export_failed, staging_folder, swap_into_place
 
 if TYPE_CHECKING:
     from diffusers import WanTransformer3DModel
@@ -414,17 +414,6 @@ def export_student(model: nn.Module, out_dir: str | Path, *, resume_from: str | 
         swap_into_place(staging, out_dir)
     except Exception as err:  # OSError, or safetensors' / torch's own words for a failed write
         shutil.rmtree(staging, ignore_errors=True)
-        full = disk_is_full(err, out_dir.parent)
-        raise DistillError(
-            ("the disk is full: " if full else "") + f"cannot export the student to {out_dir}",
-            f"{type(err).__name__}: {err}",
-            causes=["the disk is full", "the folder is not writable"],
-            fixes=[
-                "free space (df -h) or point --output_dir at a larger, writable disk",
-                "then rerun the same command: it resumes from the last checkpoint"
-                + (f" ({resume_from}) and exports" if resume_from else " and exports"),
-            ],
-            stage=Stage.CHECKPOINT,
-        ) from None
+        raise export_failed(err, out_dir, "the student ", resume_from) from None
     logger.info("Exported student to %s", out_dir)
     return out_dir

@@ -112,14 +112,20 @@ def resolve_teacher_path(path_or_id: str, configs_only: bool = False) -> Path:
         ) from None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, teacher: Path) -> dict[str, Any]:
+    """A JSON file of the teacher folder `teacher` (model_index.json at its top, the components'
+    configs one level down): the fixes name that folder, wherever the file sits in it."""
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise DistillError(
             f"cannot read {path}",
             str(exc),
-            fixes=[f"re-download that file; python download_wan.py --verify {path.parent.parent}"],
+            fixes=[
+                f"re-download that file: python download_wan.py --local_dir {teacher}  (resumes, fetching "
+                "only what is missing or wrong)",
+                f"python download_wan.py --verify {teacher}",
+            ],
             stage=Stage.TEACHER_LOAD,
         ) from None
 
@@ -197,7 +203,7 @@ def check_teacher_configs(path: Path) -> tuple[dict[str, Any], ...]:
 
     def read(relative: str, cls: type) -> dict[str, Any]:
         file = path / relative
-        return check_value_types(_read_json(file), cls, file, Stage.TEACHER_LOAD)
+        return check_value_types(_read_json(file, path), cls, file, Stage.TEACHER_LOAD)
 
     read("text_encoder/config.json", UMT5Config)
     return (
@@ -227,7 +233,7 @@ def inspect_teacher(
     missing = missing_components(path)
     if missing:
         raise _layout_error(str(path), f"the teacher folder is incomplete: missing {', '.join(missing)}")
-    index = _read_json(path / "model_index.json")
+    index = _read_json(path / "model_index.json", path)
     ratio = boundary_ratio if boundary_ratio is not None else index.get("boundary_ratio")
     if ratio is None:
         raise DistillError(

@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from distill.ops.errors import DistillError, Stage
+
 
 def fsync_tree(folder: Path) -> None:
     """Flush the files and the folder entry so a rename after it cannot expose empty files."""
@@ -52,6 +54,23 @@ def disk_is_full(exc: BaseException, folder: Path) -> bool:
         return False
 
 
+def export_failed(exc: BaseException, folder: Path, what: str, resume_from: str | None) -> DistillError:
+    """The banner of an export whose write failed (a full disk, a folder that became read-only): the
+    checkpoints are intact, so the same command resumes from `resume_from` and exports again."""
+    full = disk_is_full(exc, folder.parent)
+    return DistillError(
+        ("the disk is full: " if full else "") + f"cannot export {what}to {folder}",
+        f"{type(exc).__name__}: {exc}",
+        causes=["the disk is full", "the folder is not writable"],
+        fixes=[
+            "free space (df -h), or make the folder writable, or point --output_dir at another disk",
+            "then rerun the same command: it resumes from the last checkpoint"
+            + (f" ({resume_from}) and exports" if resume_from else " and exports"),
+        ],
+        stage=Stage.CHECKPOINT,
+    )
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
@@ -68,7 +87,9 @@ def staging_folder(out_dir: Path) -> Path:
 
 def swap_into_place(staging: Path, out_dir: Path) -> None:
     """Rename the finished `staging` to `out_dir`; an existing `out_dir` is replaced only now. Its files
-    become readable like any the user writes (some writers create them 0600 through a temporary file)."""
+    become readable like any the user writes (some writers create them 0600 through a temporary file).
+    When a rename fails (say, `out_dir` is read-only) the old `out_dir` stays where it was and the
+    OSError is raised: no half-moved folders are left."""
     mode = 0o666 & ~current_umask()
     for path in staging.rglob("*"):
         if path.is_file() and not path.is_symlink():
@@ -76,8 +97,17 @@ def swap_into_place(staging: Path, out_dir: Path) -> None:
     fsync_tree(staging)
     if out_dir.exists():
         retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, retired / out_dir.name)
-        os.replace(staging, out_dir)
+        try:
+            os.replace(out_dir, retired / out_dir.name)
+        except OSError:
+            retired.rmdir()  # nothing was moved: leave no empty .old- folder behind
+            raise
+        try:
+            os.replace(staging, out_dir)
+        except OSError:
+            os.replace(retired / out_dir.name, out_dir)  # the old folder back under its name
+            retired.rmdir()
+            raise
         shutil.rmtree(retired, ignore_errors=True)
     else:
         os.replace(staging, out_dir)

@@ -19,7 +19,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from distill.ops.errors import DistillError, Stage
@@ -43,6 +43,36 @@ def writable_folder(folder: str | Path, flag: str, create: bool = True) -> Path:
         except OSError as exc:
             raise not_writable(flag, folder, exc) from None
     return folder
+
+
+def require_replaceable(output_dir: str | Path, names: Iterable[str]) -> None:
+    """Refuse, before any work, outputs in `output_dir` that this run would replace but cannot.
+
+    A run rewrites its exports and prunes its checkpoints by moving old folders aside and deleting
+    them; a folder (or a folder inside it) without write permission can be neither, so the export
+    would fail after the whole training. Files need nothing: they are replaced by a rename.
+    """
+    output_dir = Path(output_dir)
+    blocked = []
+    for name in names:
+        top = output_dir / name
+        if top.is_symlink() or not top.is_dir():
+            continue
+        for folder, _, _ in os.walk(top):
+            if not os.access(folder, os.W_OK | os.X_OK):
+                blocked.append(Path(folder))
+                break
+    if blocked:
+        shown = " ".join(str(folder) for folder in blocked)
+        raise DistillError(
+            f"--output_dir {output_dir}: {', '.join(f'{p.relative_to(output_dir)}/' for p in blocked)} "
+            "cannot be replaced (not writable)",
+            "This run rewrites its exports and checkpoints there at the end, by moving the old folders "
+            "aside; a read-only folder cannot be moved or emptied, so the export would fail after the "
+            "training. Nothing was changed.",
+            fixes=[f"make them writable: chmod -R u+w {shown}", "or give this run another --output_dir"],
+            stage=Stage.CONFIG,
+        )
 
 
 @contextlib.contextmanager

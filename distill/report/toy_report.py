@@ -10,8 +10,36 @@ from typing import Any
 import numpy as np
 import torch
 
+from distill.ops.errors import DistillError, Stage
 from distill.toy import world
 from distill.toy.evaluation import EVAL_PROMPTS, toy_report
+
+
+def toy_prompt_count(requested: int | None, teacher_path: str | Path) -> int:
+    """How many world prompts the report scores: `requested` (--toy_prompts; None = all of them),
+    checked before anything is sampled. Refused for a teacher that is not a toy one (nothing would
+    be scored), and above the world's distinct prompts (the rest would repeat them)."""
+    if world.read_world(teacher_path) is None:
+        if requested is not None:
+            raise DistillError(
+                f"--toy_prompts needs a toy teacher: {teacher_path} has no {world.WORLD_FILE}",
+                "Only a teacher trained on the toy world is scored by what its pictures show; this "
+                "evaluation writes the denoiser, sampler and cost report only.",
+                fixes=["drop --toy_prompts"],
+                stage=Stage.CONFIG,
+            )
+        return EVAL_PROMPTS
+    distinct = len(world.all_prompts())
+    count = min(EVAL_PROMPTS, distinct) if requested is None else requested
+    if not 1 <= count <= distinct:
+        raise DistillError(
+            f"--toy_prompts must lie between 1 and {distinct} (the toy world's distinct prompts), got {count}",
+            "Each prompt is sampled once; beyond the world's prompts they would repeat, costing time and "
+            "adding nothing to the score.",
+            fixes=[f"use --toy_prompts {distinct} (all of them), or fewer for a quicker check"],
+            stage=Stage.CONFIG,
+        )
+    return count
 
 
 def add_toy_report(

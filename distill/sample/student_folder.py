@@ -11,11 +11,13 @@ from typing import Any
 import torch
 
 from distill.models.lora_files import is_lora_folder
+from distill.models.lora_folder import LoraFolder
 from distill.models.pipelines import (
     SizeLimits,
 )
 from distill.models.teacher import TeacherInfo
 from distill.ops.errors import DistillError, Stage
+from distill.sample.lora_fit import lora_for_teacher
 from distill.sample.run_settings import (
     RunSettings,
 )
@@ -78,28 +80,33 @@ def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dt
     return student.requires_grad_(False).eval().to(device)
 
 
+def lora_student(folder: str | Path, info: TeacherInfo) -> LoraFolder | None:
+    """The checked adapters of a LoRA run's folder (lora/, lora_ema/ or lora/comfyui/), None for a full
+    student: a damaged file, an edited adapter_config.json or another teacher's adapters are refused
+    here, from the files' headers, before any weight loads."""
+    if not is_lora_folder(folder):
+        return None
+    return lora_for_teacher(folder, "--student", info)
+
+
 def load_lora_student(
-    folder: str | Path, info: TeacherInfo, device: torch.device, dtype: torch.dtype
+    folder: str | Path,
+    info: TeacherInfo,
+    device: torch.device,
+    dtype: torch.dtype,
+    adapters: LoraFolder | None = None,
 ) -> tuple[Any, Any, Any]:
     """(student, teacher high, teacher low) for a LoRA run's folder: the teacher's experts loaded once,
-    the folder's adapters on them; the teacher's views run them with the adapters off."""
+    the folder's adapters on them; the teacher's views run them with the adapters off. `adapters`:
+    the folder as `lora_student` checked it (checked here when not given)."""
     from distill.models.lora import STUDENT_ADAPTER, LoraExperts
-    from distill.models.lora_files import read_lora_folder
     from distill.models.teacher import load_expert
 
-    try:
-        shape, states = read_lora_folder(folder)
-    except (OSError, ValueError, KeyError) as exc:
-        raise DistillError(
-            f"cannot read the LoRA adapters in {folder}",
-            f"{type(exc).__name__}: {exc}",
-            causes=["a truncated file, or a folder not written by train_distillation.py"],
-            fixes=["export the adapters again (a finished LoRA training run writes lora/)"],
-            stage=Stage.SETUP,
-        ) from None
+    found = adapters or lora_for_teacher(folder, "--student", info)
+    states = found.states()
     high = load_expert(info, "transformer", dtype).to(device)
     low = load_expert(info, "transformer_2", dtype).to(device)
-    experts = LoraExperts(high, low, shape, None, seed=0)
+    experts = LoraExperts(high, low, found.shape, None, seed=0)
     try:
         experts.load(STUDENT_ADAPTER, states)
     except (ValueError, RuntimeError) as exc:
@@ -128,11 +135,18 @@ def require_student_folder(folder: str | Path, teacher_only: bool = True) -> Pat
         details = f"{folder} has no config.json; it holds: {found}"
     else:
         details = f"{folder} does not exist"
+    # A run's --output_dir given for the folder the run exported into it: offer that folder.
+    inside = [
+        folder / name
+        for name in ("student", "lora", "student_ema", "lora_ema")
+        if (folder / name / "config.json").is_file() or is_lora_folder(folder / name)
+    ]
     raise DistillError(
         f"student folder not found: {folder}",
         details,
         causes=["training has not finished (the student is exported at the end)", "a typo in --student"],
         fixes=[
+            *([f"pass {inside[0]}: the student the run in {folder} exported"] if inside else []),
             "pass the student/ (or student_ema/, or lora/ for a LoRA run) folder that train_distillation.py "
             "wrote into --output_dir",
             *(["or render the teacher alone with --teacher_only"] if teacher_only else []),

@@ -36,7 +36,6 @@ and adds log(count) to its attention logit, which gives exactly the attention ov
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -49,6 +48,7 @@ from typing import Any
 
 import torch
 
+from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.paths import Kind, PathFlag, check_paths
 from distill.toy import world
@@ -56,6 +56,7 @@ from distill.toy.expert_training import FOCUS_SIGMA, train_experts
 from distill.toy.grow import EXPERT_FOLDERS, expert_shape, grow_expert
 from distill.toy.recipe import Recipe
 from distill.toy.shipped import ASSETS
+from distill.toy.starting_points import check_starting_points, toy_vae_shape
 from distill.toy.text_padding import check_folding, fold_padding
 from distill.toy.vae_fit import (
     GATE,
@@ -157,17 +158,7 @@ def build_components(recipe: Recipe) -> dict[str, Any]:
         "text_encoder": grow_text_encoder(
             seeded(1, lambda: UMT5EncoderModel(text_config)).eval(), len(tokenizer), recipe.seed * 1000 + 5
         ),
-        "vae": seeded(
-            2,
-            lambda: AutoencoderKLWan(
-                base_dim=recipe.vae_base_dim,
-                z_dim=16,
-                dim_mult=[1, 2, 2, 2],
-                num_res_blocks=1,
-                attn_scales=[],
-                temperal_downsample=[False, True, True],
-            ),
-        ),
+        "vae": seeded(2, lambda: AutoencoderKLWan(**toy_vae_shape(recipe))),
         "scheduler": UniPCMultistepScheduler(
             prediction_type="flow_prediction",
             use_flow_sigmas=True,
@@ -349,27 +340,39 @@ def trained_shape(teacher: Path, trained: tuple[str, ...]) -> dict[str, int]:
     return {key: max(shape[key] for shape in shapes) for key in shapes[0]}
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distill.toy.build", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m distill.toy.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--retrain", action="store_true", help="train the toy teacher again (minutes)")
-    parser.add_argument("--output", default=str(ASSETS), help="where the trained teacher goes")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--expert_steps", type=int, default=Recipe.expert_steps)
-    parser.add_argument("--vae_steps", type=int, default=Recipe.vae_steps)
     parser.add_argument(
-        "--vae_from", help="start from this VAE folder (fitted further for --vae_steps; 0 = use as is)"
+        "--output",
+        default=str(ASSETS),
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        help="where the trained teacher goes",
+    )
+    parser.add_argument("--seed", type=integer(0), default=0)
+    parser.add_argument("--expert_steps", type=integer(1), default=Recipe.expert_steps)
+    parser.add_argument("--vae_steps", type=integer(0), default=Recipe.vae_steps)
+    parser.add_argument(
+        "--vae_from",
+        action=PathAction,
+        kind=Kind.FOLDER,
+        help="start from this VAE folder (fitted further for --vae_steps; 0 = use as is)",
     )
     parser.add_argument(
         "--from",
         dest="start_from",
+        action=PathAction,
+        kind=Kind.FOLDER,
         help="start from this toy teacher folder: its VAE (unless --vae_from) and its experts",
     )
-    parser.add_argument("--expert_lr", type=float, default=Recipe.expert_lr)
+    parser.add_argument("--expert_lr", type=number(0.0, above=True), default=Recipe.expert_lr)
     parser.add_argument(
-        "--expert_clip_batch", type=int, default=Recipe.expert_clip_batch, help="clips per expert step"
+        "--expert_clip_batch", type=integer(1), default=Recipe.expert_clip_batch, help="clips per expert step"
     )
     parser.add_argument(
-        "--expert_batch", type=int, default=Recipe.expert_batch, help="pictures per expert step"
+        "--expert_batch", type=integer(1), default=Recipe.expert_batch, help="pictures per expert step"
     )
     parser.add_argument(
         "--train_experts",
@@ -378,21 +381,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--low_focus",
-        type=float,
+        type=number(0.0),
         default=Recipe.low_focus,
         help=f"fraction of the low-noise expert's samples drawn from sigma >= {FOCUS_SIGMA}, where a "
         "clip's speed is decided (0 = its whole range evenly)",
     )
     parser.add_argument(
         "--layers",
-        type=int,
+        type=integer(1),
         help=f"blocks per trained expert (default: the --from teacher's deepest trained one, else "
         f"{Recipe.layers}); more than the --from teacher's grows the trained experts without changing "
         "their output (an expert that does not train keeps its shape)",
     )
     parser.add_argument(
         "--ffn_dim",
-        type=int,
+        type=integer(1),
         help=f"feed-forward width of the trained experts (default: the --from teacher's widest trained "
         f"one, else {Recipe.ffn_dim})",
     )
@@ -404,11 +407,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{Recipe.spatial_patch}); 1 gives each latent pixel its own token",
     )
     parser.add_argument(
-        "--clip_frames", type=int, default=Recipe.clip_frames, help="frames of the clips; 0 = pictures only"
+        "--clip_frames",
+        type=integer(0),
+        default=Recipe.clip_frames,
+        help="frames of the clips; 0 = pictures only",
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=integer(1),
         default=1,
         help="CPU threads (1 is fastest on a machine shared with other jobs)",
     )
@@ -438,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not 0.0 <= args.low_focus <= 1.0:
             parser.error(f"--low_focus {args.low_focus}: give a fraction between 0 and 1")
+        check_starting_points(args.start_from, args.vae_from, Recipe())
         start = trained_shape(Path(args.start_from), trained) if args.start_from else {}
         layers = args.layers or start.get("layers", Recipe.layers)
         ffn_dim = args.ffn_dim or start.get("ffn_dim", Recipe.ffn_dim)

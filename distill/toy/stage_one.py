@@ -16,10 +16,12 @@ trained from, so the shipped files carry no machine's paths.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import shutil
 from pathlib import Path
+
+from distill.ops.command import Parser, PathAction, entry_point
+from distill.ops.paths import Kind
 
 REPO = Path(__file__).resolve().parents[2]
 ASSET = REPO / "assets" / "toy_student_stage1"
@@ -81,21 +83,30 @@ def ship(student_dir: str | Path, dest: Path = ASSET) -> Path:
     return dest
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m distill.toy.stage_one", description=__doc__.split("\n\n")[0]
-    )
+    parser = Parser(prog="python -m distill.toy.stage_one", description=__doc__.split("\n\n")[0])
     parser.add_argument("--retrain", action="store_true", help="train stage 1 again (~16 min) and ship it")
     parser.add_argument("--clips", action="store_true", help="the moving world's stage 1 (CLIP_RECIPE)")
-    parser.add_argument("--work_dir", help="where the run itself goes (default outputs/toy-stage1[-clips])")
-    parser.add_argument("--output", help=f"where the student is shipped (default {ASSET} or {CLIP_ASSET})")
+    parser.add_argument(
+        "--work_dir",
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        help="where the run itself goes (default outputs/toy-stage1[-clips])",
+    )
+    parser.add_argument(
+        "--output",
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        help=f"where the student is shipped (default {ASSET} or {CLIP_ASSET})",
+    )
     args = parser.parse_args(argv)
     args.output = args.output or str(CLIP_ASSET if args.clips else ASSET)
     args.work_dir = args.work_dir or ("outputs/toy-stage1-clips" if args.clips else "outputs/toy-stage1")
     if not args.retrain:
         parser.error(f"pass --retrain to train the stage-1 toy student (it replaces {args.output})")
     from distill.ops.errors import DistillError, Stage, report
-    from distill.ops.paths import Kind, PathFlag, check_paths
+    from distill.ops.paths import PathFlag, check_paths
 
     try:  # before the teacher is copied and 16 minutes of training start
         check_paths(

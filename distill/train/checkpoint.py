@@ -177,6 +177,27 @@ def load_latest(root: Path) -> Checkpoint | None:
     return None
 
 
+def refuse_past_end(path: Path, step: int, total_steps: int, by_epochs: bool) -> None:
+    """Refuse to resume a checkpoint that is already past this run's last step.
+
+    Such a run would train nothing and export the checkpoint's later weights while run_config.json
+    recorded the lower step count: the folder would then say one thing and hold another.
+    """
+    if step <= total_steps:
+        return
+    setting = f"--num_epochs gives {total_steps} steps" if by_epochs else f"--num_steps is {total_steps}"
+    raise DistillError(
+        f"checkpoint {path} is at step {step}, past the end of this run ({setting})",
+        "Resuming it would train nothing and export the weights of step "
+        f"{step} under a run_config.json that says {total_steps}. Nothing was changed.",
+        fixes=[
+            f"--num_steps {step} (or more) continues that run, or exports it again",
+            "for a shorter run, start it in another --output_dir",
+        ],
+        stage=Stage.CHECKPOINT,
+    )
+
+
 def rng_state() -> dict[str, Any]:
     """Global RNG states, so code that draws from them continues the same after a resume."""
     import random

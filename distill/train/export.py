@@ -5,7 +5,11 @@ Rank 0 writes; every rank passes the same barrier."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +19,7 @@ from distill.models.original.export import export_original
 from distill.models.student import export_student, unwrap_model
 from distill.ops import distributed as dist_utils
 from distill.ops.errors import DistillError
+from distill.ops.files import export_failed
 from distill.sample.model_card import document_export
 from distill.sample.run_settings import settings_from_run
 from distill.train import checkpoint as ckpt
@@ -24,11 +29,82 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Everything an export may write into <output_dir>, besides run_settings.json and README.md.
+EXPORTS = (
+    "student",
+    "student_ema",
+    "student_original.safetensors",
+    "student_ema_original.safetensors",
+    "pipeline",
+    "lora",
+    "lora_ema",
+    "merged",
+)
+# Where exports of an earlier run in the same --output_dir go when this run does not rewrite them.
+STALE = "stale_exports"
+
+
+def export_names(cfg: Any, ema: bool) -> set[str]:
+    """The names of EXPORTS that a run with `cfg` (and an EMA when `ema`) writes."""
+    formats = cfg.export_formats.split(",")
+    if cfg.student_lora_rank:
+        return {"lora"} | ({"lora_ema"} if ema else set()) | ({"merged"} if "merged" in formats else set())
+    names = {"student", "pipeline"} | ({"student_ema"} if ema else set())
+    if "original" in formats:
+        names |= {"student_original.safetensors"} | ({"student_ema_original.safetensors"} if ema else set())
+    return names
+
+
+def set_aside_stale_exports(output_dir: Path, written: set[str]) -> list[Path]:
+    """Move the exports an earlier run left in `output_dir` that this run does not write (merged/ of
+    a run continued without merged, student_ema/ of one continued without --ema_decay) into
+    stale_exports/, saying so: beside this run's exports they would describe other weights. Done
+    before anything is written, so the folder never holds exports that disagree."""
+    moved = []
+    for name in EXPORTS:
+        path = output_dir / name
+        if name in written or not (path.exists() or path.is_symlink()):
+            continue
+        aside = output_dir / STALE / name
+        shown = f"{name}/" if path.is_dir() else name
+        aside.parent.mkdir(exist_ok=True)
+        if aside.is_dir() and not aside.is_symlink():
+            shutil.rmtree(aside)  # an even older stale copy
+        elif aside.exists() or aside.is_symlink():
+            aside.unlink()
+        os.replace(path, aside)
+        logger.warning(
+            "%s in %s is from an earlier export that this run does not rewrite (it writes %s): moved to "
+            "%s so that it cannot be taken for this run's; delete it when no longer needed",
+            shown,
+            output_dir,
+            ", ".join(n for n in EXPORTS if n in written),
+            aside,
+        )
+        moved.append(aside)
+    return moved
+
+
+@contextlib.contextmanager
+def exporting(folder: Path, loop: TrainingLoop) -> Iterator[None]:
+    """A failed write of an export (a full disk, a folder that became read-only) as the banner, not
+    a traceback: the checkpoints are intact and the same command exports again."""
+    try:
+        yield
+    except DistillError:
+        raise
+    except Exception as err:  # OSError, or safetensors' / torch's own words for a failed write
+        kept = ckpt.complete_checkpoints(ckpt.checkpoint_root(loop.output_dir))
+        raise export_failed(err, folder, "", kept[-1].name if kept else None) from None
+
 
 def export_run(loop: TrainingLoop) -> tuple[Path | None, Path | None]:
     """Rank 0 writes student/ (and student_ema/); the others wait for it."""
     student_dir = ema_dir = None
     student = unwrap_model(loop.student)
+    if loop.ctx.is_main:
+        with exporting(loop.output_dir / STALE, loop):
+            set_aside_stale_exports(loop.output_dir, export_names(loop.cfg, loop.ema is not None))
     if isinstance(student, AdapterModel):  # every rank: merging sharded experts gathers them
         return export_lora(loop, student)
     if loop.ctx.is_main:
@@ -40,7 +116,8 @@ def export_run(loop: TrainingLoop) -> tuple[Path | None, Path | None]:
             scheduler.save_pretrained(student_dir)
         original = "original" in loop.cfg.export_formats.split(",")
         if original:
-            export_original(student_dir, loop.output_dir / "student_original.safetensors")
+            with exporting(loop.output_dir / "student_original.safetensors", loop):
+                export_original(student_dir, loop.output_dir / "student_original.safetensors")
         if loop.ema is not None:
             params = list(student.parameters())
             loop.ema.store(params)
@@ -50,7 +127,8 @@ def export_run(loop: TrainingLoop) -> tuple[Path | None, Path | None]:
                 if scheduler is not None:
                     scheduler.save_pretrained(ema_dir)
                 if original:
-                    export_original(ema_dir, loop.output_dir / "student_ema_original.safetensors")
+                    with exporting(loop.output_dir / "student_ema_original.safetensors", loop):
+                        export_original(ema_dir, loop.output_dir / "student_ema_original.safetensors")
             finally:
                 loop.ema.restore(params)
         # How the student samples: the method says (dmd: its K steps and scheduler, guidance 1).
@@ -88,9 +166,10 @@ def write_adapters(loop: TrainingLoop, student: AdapterModel) -> tuple[Path, Pat
     shape = loop.distiller.lora.shapes[student.adapter]
 
     def write(folder: Path) -> Path:
-        out = write_lora_folder({which: student.state(which) for which in EXPERTS}, shape, folder)
-        if scheduler is not None:
-            scheduler.save_pretrained(out)
+        with exporting(folder, loop):
+            out = write_lora_folder({which: student.state(which) for which in EXPERTS}, shape, folder)
+            if scheduler is not None:
+                scheduler.save_pretrained(out)
         return out
 
     lora_dir, ema_dir = write(loop.output_dir / "lora"), None
@@ -119,7 +198,8 @@ def export_merged(loop: TrainingLoop, student: AdapterModel) -> None:
             for which, expert in experts.items()
         }
         if loop.ctx.is_main:
-            merged = write_merged_experts(experts, student.adapter, loop.output_dir / "merged", states)
+            with exporting(loop.output_dir / "merged", loop):
+                merged = write_merged_experts(experts, student.adapter, loop.output_dir / "merged", states)
             logger.info("the experts with the adapters merged in: %s", merged)
     finally:
         if loop.ema is not None:

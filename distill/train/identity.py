@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from distill.config.settings import TrainConfig
+from distill.config.settings import TrainConfig, canonical_lora_targets
 from distill.models.teacher import TeacherInfo
 from distill.ops.errors import DistillError, Stage
 from distill.train.methods import method_class
@@ -55,12 +55,88 @@ def run_identity(
     return json.loads(json.dumps(identity))  # as it reads back from meta.json (tuples become lists)
 
 
+# The flag behind each entry of a checkpoint's "lora" identity.
+LORA_OPTIONS = {
+    "rank": "--student_lora_rank",
+    "alpha": "--student_lora_alpha",
+    "targets": "--student_lora_targets",
+    "critic_rank": "--critic_lora_rank",
+    "expert_phase": "--expert_phase",
+}
+
+
+def lora_flags(lora: dict[str, Any]) -> str:
+    """The flags that give a run the LoRA adapters a checkpoint records (its identity's "lora")."""
+    flags = [
+        f"--student_lora_rank {lora.get('rank')}",
+        f"--student_lora_alpha {float(lora.get('alpha') or 0):g}",
+        f"--student_lora_targets {','.join(lora.get('targets') or [])}",
+    ]
+    if lora.get("critic_rank") is not None and lora.get("critic_rank") != lora.get("rank"):
+        flags.append(f"--critic_lora_rank {lora['critic_rank']}")
+    if lora.get("expert_phase"):
+        flags.append(f"--expert_phase {lora['expert_phase']}")
+    return " ".join(flags)
+
+
+def recorded_settings(path: Path) -> dict[str, Any]:
+    """The settings of the run that wrote the checkpoint `path` (<output_dir>/checkpoints/step_N), as
+    its run_config.json holds them; {} when there is none to read."""
+    try:
+        recorded = json.loads((path.parent.parent / "run_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+def other_kind_of_student(path: Path, saved: dict[str, Any], expected: dict[str, Any]) -> DistillError | None:
+    """A LoRA run's checkpoint resumed by a run of a separate student, or the reverse: refused even with
+    --force_resume (adapters and a whole model cannot load into each other), naming what the checkpoint
+    is and the flags that continue it."""
+    if "student_config" not in saved or ("lora" in saved) == ("lora" in expected):
+        return None  # an identity from before checkpoints recorded one, or the same kind of student
+    settings = path.parent.parent / "run_config.json"
+    recorded = recorded_settings(path)
+    if "lora" in saved:
+        lora = saved["lora"] if isinstance(saved["lora"], dict) else {}
+        return DistillError(
+            f"checkpoint {path} was made with a different kind of student: it holds a LoRA run's adapters "
+            f"(rank {lora.get('rank')} on the teacher's experts), and this run trains a separate student",
+            f"checkpoint: LoRA adapters, {lora_flags(lora)}\nthis run:   a separate student (--student_config)",
+            fixes=[
+                f"continue the LoRA run: {lora_flags(lora)}, without --student_config and --student_init",
+                "or train the separate student in another --output_dir",
+            ],
+            stage=Stage.CHECKPOINT,
+        )
+    config = recorded.get("student_config")
+    lora = expected["lora"]
+    return DistillError(
+        f"checkpoint {path} was made with a different kind of student: it holds a separate student, and "
+        f"this run trains LoRA adapters (rank {lora.get('rank')}) on the teacher's experts",
+        f"checkpoint: a separate student{f' (--student_config {config}, in {settings})' if config else ''}\n"
+        f"this run:   LoRA adapters, {lora_flags(lora)}",
+        fixes=[
+            "continue the separate student: drop --student_lora_rank (and the other LoRA flags)"
+            + (f" and pass --student_config {config}" if config else " and pass its --student_config"),
+            "or train the LoRA adapters in another --output_dir",
+        ],
+        stage=Stage.CHECKPOINT,
+    )
+
+
 def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], force: bool) -> None:
     """Refuse to resume the checkpoint at `path` made with another identity (unless `force`)."""
+    kind = other_kind_of_student(path, meta.get("identity", {}), expected)
+    if kind is not None:
+        raise kind
     for key, value in expected.items():
         saved = meta.get("identity", {}).get(key)
         if key == "method" and saved is None:
             saved = "velocity"  # checkpoints from before --method existed
+        if key == "lora" and isinstance(saved, dict) and isinstance(saved.get("targets"), list):
+            # Checkpoints from before the targets were stored canonically: same modules, same lora.
+            saved = {**saved, "targets": list(canonical_lora_targets(saved["targets"]))}
         if saved == value:
             continue
         if key == "target" and saved is None:
@@ -70,8 +146,43 @@ def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], f
             keys = sorted(k for k in set(saved) | set(value) if saved.get(k) != value.get(k))
             saved, value = {k: saved.get(k) for k in keys}, {k: value.get(k) for k in keys}
         what = key.replace("_", " ")
+        fixes = [
+            "resume with the settings the checkpoint was made with",
+            "or start fresh in another --output_dir",
+            "or pass --force_resume if the change is intended (the weights are loaded as they are)",
+        ]
         if key == "target":  # name the options that changed
             what = "training target: " + ", ".join(f"--{k}" for k in value)
+        if key == "student_config" and "lora" in expected:
+            # A LoRA student is the teacher's own experts: their config is the teacher's, not a flag.
+            what = "teacher (its experts' config)"
+            teacher = recorded_settings(path).get("teacher_path") or "TEACHER"
+            fixes = [
+                f"resume with the teacher the checkpoint was made with: --teacher_path {teacher} (the LoRA "
+                "student is that teacher's experts)",
+                "or start fresh in another --output_dir",
+            ]
+        if key == "lora" and isinstance(value, dict) and isinstance(saved, dict):
+            what = "lora (" + ", ".join(LORA_OPTIONS.get(k, k) for k in value) + ")"
+            # Adapters of another rank, targets or critic cannot load into this run's, forced or not.
+            loadable = set(value) <= {"alpha", "expert_phase"}
+            fixes = [
+                f"resume with the checkpoint's adapters: {lora_flags(meta['identity']['lora'])}",
+                "or start fresh in another --output_dir",
+                *(
+                    ["or pass --force_resume if the change is intended (the adapters are loaded as they are)"]
+                    if loadable
+                    else []
+                ),
+            ]
+            if force and not loadable:
+                raise DistillError(
+                    f"checkpoint {path} was made with a different {what}; --force_resume cannot load "
+                    "adapters of another shape",
+                    f"checkpoint: {saved}\nthis run:   {value}",
+                    fixes=fixes,
+                    stage=Stage.CHECKPOINT,
+                )
         if force:
             logger.warning(
                 "resuming %s although it was made with a different %s (--force_resume)", path, what
@@ -80,10 +191,6 @@ def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], f
         raise DistillError(
             f"checkpoint {path} was made with a different {what}",
             f"checkpoint: {saved}\nthis run:   {value}",
-            fixes=[
-                "resume with the settings the checkpoint was made with",
-                "or start fresh in another --output_dir",
-                "or pass --force_resume if the change is intended (the weights are loaded as they are)",
-            ],
+            fixes=fixes,
             stage=Stage.CHECKPOINT,
         )

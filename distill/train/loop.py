@@ -36,6 +36,7 @@ from distill.ops.errors import DistillError, Progress, Stage
 from distill.ops.faults import FaultInjector
 from distill.report.monitor import SampleMonitor
 from distill.train import checkpoint as ckpt
+from distill.train.identity import lora_flags
 from distill.train.methods import method_class
 from distill.train.methods.base import BatchRandomness, MethodEnv
 from distill.train.stop import StopRequest
@@ -245,16 +246,27 @@ class TrainingLoop:
         if found is None:
             return None
         self.distiller.check_checkpoint(found.path, found.meta)
+        ckpt.refuse_past_end(found.path, found.step, self.total_steps, cfg.num_steps is None)
         try:
             self._restore(found)
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:  # shapes, or missing state entries
             text = str(exc).strip()
+            lora = found.meta.get("identity", {}).get("lora")
+            # A LoRA run has no --student_config: its shape is the adapters' (and the critic's) flags.
+            same_shape = (
+                f"resume with the adapters the checkpoint was made with: {lora_flags(lora)}"
+                if cfg.student_lora_rank and isinstance(lora, dict)
+                else "resume with the --student_lora_rank, --student_lora_targets (and --critic_lora_rank) "
+                "the checkpoint was made with"
+                if cfg.student_lora_rank
+                else "resume with the --student_config (and --critic_config) the checkpoint was made with"
+            )
             raise DistillError(
                 f"checkpoint {found.path} does not fit this run's models or optimizers",
                 f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}",
                 causes=["--force_resume with another student or critic shape, or another optimizer setup"],
                 fixes=[
-                    "resume with the --student_config (and --critic_config) the checkpoint was made with",
+                    same_shape,
                     "or start this run in another --output_dir (a different shape cannot continue a run)",
                 ],
                 stage=Stage.CHECKPOINT,

@@ -26,7 +26,7 @@ from distill.data.prepare import embedding_cache, fill_embedding_cache, fill_lat
 from distill.data.prompts import read_prompts, reference_prompts
 from distill.models.layout import require_weights
 from distill.models.lora import CRITIC_ADAPTER, STUDENT_ADAPTER, ExpertCopies, LoraExperts, LoraShape
-from distill.models.lora_files import lora_start
+from distill.models.lora_folder import LoraFolder
 from distill.models.original.configs import check_original_exportable
 from distill.models.student import build_student, init_student_from_teacher, load_pretrained_student
 from distill.models.student_config import load_student_config
@@ -41,11 +41,12 @@ from distill.models.teacher import (
 from distill.ops import distributed as dist_utils
 from distill.ops.distributed import DistContext
 from distill.ops.errors import DistillError, Progress, Stage
-from distill.ops.output_dir import hold_output_dir, writable_folder
+from distill.ops.output_dir import hold_output_dir, require_replaceable, writable_folder
 from distill.ops.paths import check_paths
 from distill.report.monitor import SampleMonitor, SampleSettings
+from distill.sample.lora_fit import lora_start
 from distill.train import checkpoint as ckpt
-from distill.train.export import export_run
+from distill.train.export import EXPORTS, export_run
 from distill.train.identity import check_identity, run_identity
 from distill.train.loop import RunResult, TrainingLoop
 from distill.train.methods import method_class
@@ -140,9 +141,13 @@ class Distiller:
         self.lora: LoraExperts | None = None  # the shared experts' adapters, once loaded
         if cfg.student_lora_rank:
             check_lora_ranks(cfg, self.info.expert_config)
-        if cfg.student_lora_init:  # a wrong start is refused before anything heavy, too
-            lora_start(
-                cfg.student_lora_init, LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets)
+        # A wrong start (other shape or teacher, damaged file) is refused now; its weights load later.
+        self.lora_init: LoraFolder | None = None
+        if cfg.student_lora_init:
+            self.lora_init = lora_start(
+                cfg.student_lora_init,
+                LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets),
+                self.info,
             )
         if "original" in cfg.export_formats.split(","):  # refused now, not after training
             check_original_exportable(
@@ -331,8 +336,8 @@ class Distiller:
         lora = LoraExperts(
             high, low, shape, LoraShape(critic, float(critic), cfg.lora_targets) if critic else None, cfg.seed
         )
-        if cfg.student_lora_init:
-            lora.load(STUDENT_ADAPTER, lora_start(cfg.student_lora_init, shape))
+        if self.lora_init is not None:
+            lora.load(STUDENT_ADAPTER, self.lora_init.states())
         return lora
 
     def init_from_teacher(
@@ -416,7 +421,9 @@ class Distiller:
         check_identity(path, meta, self.identity(), self.cfg.force_resume)
 
     def check_output_dir(self) -> None:
-        """Before any heavy work: never overwrite another run's checkpoints, never resume a foreign one."""
+        """Before any heavy work: never overwrite another run's checkpoints, never resume a foreign one
+        or one past this run's end, and be able to replace the exports and checkpoints in the folder."""
+        require_replaceable(self.cfg.output_dir, (*EXPORTS, "checkpoints"))
         complete = ckpt.complete_checkpoints(ckpt.checkpoint_root(self.cfg.output_dir))
         if self.cfg.resume == "none":
             if complete:
@@ -435,7 +442,10 @@ class Distiller:
             Path(self.cfg.resume) if self.cfg.resume != "auto" else (complete[-1] if complete else None)
         )
         if candidate is not None and (candidate / "meta.json").is_file():
-            self.check_checkpoint(candidate, json.loads((candidate / "meta.json").read_text()))
+            meta = json.loads((candidate / "meta.json").read_text())
+            self.check_checkpoint(candidate, meta)
+            if self.cfg.num_steps is not None:  # --num_epochs: checked once the steps are counted
+                ckpt.refuse_past_end(candidate, int(meta["step"]), self.cfg.num_steps, by_epochs=False)
 
     # -- training --------------------------------------------------------------------------
     def run(self) -> RunResult:

@@ -1,0 +1,147 @@
+"""Whether a checked LoRA folder fits a teacher's experts: the shapes and blocks of its adapters against
+the teacher's, refused before any weight is applied, naming the file, the key, both sizes and the
+teacher the adapters were trained on (from the run's run_settings.json). Used by `--student_lora_init`
+(`lora_start`) and by generate / evaluate (`lora_for_teacher`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from distill.models.lora import EXPERTS, LoraShape, target_sizes
+from distill.models.lora_folder import BLOCK_MODULES, EXPERT_FOLDERS, LoraFolder, check_lora_folder
+from distill.ops.errors import DistillError, Stage
+from distill.sample.run_settings import RUN_SETTINGS_FILE
+
+
+def lora_for_teacher(folder: str | Path, flag: str, teacher: Any) -> LoraFolder:
+    """The LoRA folder `folder` (given as `flag`), checked whole and against `teacher` (a TeacherInfo)."""
+    found = check_lora_folder(folder, flag)
+    check_fits_teacher(found, teacher, flag)
+    return found
+
+
+def check_fits_teacher(found: LoraFolder, teacher: Any, flag: str, extra_fixes: Sequence[str] = ()) -> None:
+    """Refuse adapters whose shapes or blocks are not those of `teacher`'s experts, before any weight
+    is applied, naming the file, the key, both shapes and the teacher they were trained on."""
+    for which in EXPERTS:
+        config = _expert_config(teacher, which)
+        sizes = target_sizes(config)
+        layers = int(config["num_layers"])
+        blocks = {int(k.split(".")[1]) for k in found.shapes[which]}
+        wrong = None
+        for key, shape in sorted(found.shapes[which].items(), key=lambda item: _block_order(item[0])):
+            module, kind = key.rsplit(".", 2)[:2]
+            fan_in, fan_out = sizes[BLOCK_MODULES[module.split(".", 2)[2]]]
+            want = (found.shape.rank, fan_in) if kind == "lora_A" else (fan_out, found.shape.rank)
+            if tuple(shape) != want:
+                wrong = f"{found.keys[which][key]} is {list(shape)}; {EXPERT_FOLDERS[which]}/ takes {list(want)} there"
+                break
+        if wrong is None and blocks != set(range(layers)):
+            wrong = f"the adapters cover blocks {_span(blocks)}; {EXPERT_FOLDERS[which]}/ has blocks {_span(set(range(layers)))}"
+        if wrong is None:
+            continue
+        recorded = _recorded_teacher(found.path)
+        width = config["num_attention_heads"] * config["attention_head_dim"]
+        theirs = _their_size(found.shapes[which])
+        details = [
+            f"{found.file(which)}: {wrong}",
+            f"made for experts {theirs}; this teacher's {EXPERT_FOLDERS[which]}/ is {width} wide "
+            f"(feed-forward {config['ffn_dim']}), {layers} blocks",
+            f"this teacher: {teacher.path}",
+        ]
+        if recorded:
+            details.append(f"trained on: {recorded[0]} (as {recorded[1]} records)")
+            if Path(recorded[0]).expanduser().resolve() == Path(teacher.path).resolve():
+                details.append("the same folder: it holds another teacher now than when they were trained")
+                recorded = None  # no folder to offer: the one recorded changed
+        raise DistillError(
+            f"{flag} {found.path}: the LoRA adapters do not fit this teacher's experts: they were made for another teacher",
+            "\n".join(details),
+            fixes=[
+                f"pass the teacher they were trained on: --teacher_path {recorded[0] if recorded else 'TEACHER'}",
+                *extra_fixes,
+            ],
+            stage=Stage.CONFIG,  # the folder a flag names: refused as a config mistake, before any work
+        )
+
+
+def _expert_config(teacher: Any, which: str) -> dict[str, Any]:
+    if which == "high":
+        return dict(teacher.expert_config)
+    # The low-noise expert may be deeper than the high-noise one (the toy teacher's is).
+    path = Path(teacher.path) / EXPERT_FOLDERS[which] / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return dict(teacher.expert_config)  # inspect_teacher checked it; a race is not this check's to judge
+
+
+def _block_order(key: str) -> tuple[int, str]:
+    return int(key.split(".")[1]), key
+
+
+def _span(blocks: set[int]) -> str:
+    if not blocks:
+        return "none"
+    ordered = sorted(blocks)
+    contiguous = ordered == list(range(ordered[0], ordered[-1] + 1))
+    return f"{ordered[0]}-{ordered[-1]}" if contiguous else ", ".join(map(str, ordered[:8]))
+
+
+def _their_size(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """What the adapters' shapes say of the experts they were made for."""
+    width = ffn = None
+    for key, shape in shapes.items():
+        module, kind = key.rsplit(".", 2)[:2]
+        target = BLOCK_MODULES[module.split(".", 2)[2]]
+        fan_in, fan_out = (shape[1], None) if kind == "lora_A" else (None, shape[0])
+        if target.startswith("to_"):  # width -> width
+            width = fan_in or fan_out
+        elif target == "ffn.net.0.proj":  # width -> feed-forward
+            width, ffn = fan_in or width, fan_out or ffn
+        else:  # ffn.net.2: feed-forward -> width
+            ffn, width = fan_in or ffn, fan_out or width
+    blocks = len({key.split(".")[1] for key in shapes})
+    size = " ".join(
+        part for part in (f"{width} wide" if width else "", f"(feed-forward {ffn})" if ffn else "") if part
+    )
+    return f"{size}, {blocks} blocks" if size else f"{blocks} blocks"
+
+
+def _recorded_teacher(folder: Path) -> tuple[str, str] | None:
+    """The teacher the run that wrote `folder` trained on, from its run_settings.json (in the folder,
+    beside it, or beside lora/ for lora/comfyui/)."""
+    for path in (
+        folder / RUN_SETTINGS_FILE,
+        folder.parent / RUN_SETTINGS_FILE,
+        folder.parent.parent / RUN_SETTINGS_FILE,
+    ):
+        try:
+            teacher = json.loads(path.read_text()).get("teacher_path")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(teacher, str) and teacher:
+            return teacher, str(path)
+    return None
+
+
+def lora_start(folder: str | Path, shape: LoraShape, teacher: Any) -> LoraFolder:
+    """The adapters of `folder` (--student_lora_init), checked, refused unless they have this run's
+    shape and fit `teacher`'s experts; their weights are read later (`.states()`)."""
+    flag = "--student_lora_init"
+    found = check_lora_folder(folder, flag)
+    if found.shape != shape:
+        raise DistillError(
+            f"{flag} {folder} has other adapters than this run asks for",
+            f"there: rank {found.shape.rank}, alpha {found.shape.alpha:g}, targets {','.join(found.shape.targets)}\n"
+            f"this run: rank {shape.rank}, alpha {shape.alpha:g}, targets {','.join(shape.targets)}",
+            fixes=[
+                "use the same --student_lora_rank, --student_lora_alpha and --student_lora_targets as that run"
+            ],
+            stage=Stage.CONFIG,
+        )
+    check_fits_teacher(found, teacher, flag, [f"or start fresh adapters on this teacher: drop {flag}"])
+    return found
