@@ -17,6 +17,9 @@ or write a tiny random teacher for tests and offline demos.
     python download_wan.py --tiny outputs/tiny_teacher --seed 0
     # ... or in the ORIGINAL Wan layout (high_noise_model/, low_noise_model/, *.pth):
     python download_wan.py --tiny outputs/tiny_teacher_original --layout original
+    # ... or of another Wan 2.2 model, in its diffusers layout (for tests; not distilled yet):
+    python download_wan.py --tiny outputs/tiny_i2v_teacher --tiny_kind i2v    # Wan2.2-I2V-A14B
+    python download_wan.py --tiny outputs/tiny_ti2v_teacher --tiny_kind ti2v  # Wan2.2-TI2V-5B
     # A small teacher TRAINED on a synthetic world (shipped weights, a second, no network):
     python download_wan.py --toy outputs/toy-wan
     # Convert an ORIGINAL Wan2.2-T2V-A14B download to the diffusers layout once:
@@ -72,6 +75,8 @@ PRESETS = {
     ),
 }
 DEFAULT_PRESET = "wan2.2-t2v-a14b"
+# --tiny_kind: the short names of distill/models/teacher_kind.py's kinds.
+TINY_KINDS = ("t2v", "i2v", "ti2v")
 
 # The file each component folder must hold for diffusers/transformers to load it.
 COMPONENT_CONFIGS = {
@@ -114,7 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.toy is not None:
             return write_toy(Path(args.toy), args.seed, args.overwrite)
         if args.tiny is not None:
-            return write_tiny(Path(args.tiny), args.seed or 0, args.overwrite, args.layout or "diffusers")
+            return write_tiny(
+                Path(args.tiny),
+                args.seed or 0,
+                args.overwrite,
+                args.layout or "diffusers",
+                args.tiny_kind or "t2v",
+            )
         if args.convert is not None:
             return convert(Path(args.convert[0]), Path(args.convert[1]))
         if args.verify is not None:
@@ -218,6 +229,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("diffusers", "original"),
         help="with --tiny: the on-disk layout (default: diffusers; original = Wan's own release layout)",
     )
+    parser.add_argument(
+        "--tiny_kind",
+        choices=TINY_KINDS,
+        help="with --tiny: which Wan 2.2 model (default: t2v = Wan2.2-T2V-A14B, the one this version "
+        "distils; i2v = Wan2.2-I2V-A14B, ti2v = Wan2.2-TI2V-5B, in their diffusers layouts)",
+    )
     args = parser.parse_args(argv)
     _reject_stray_options(parser, args)
     return args
@@ -245,6 +262,12 @@ def _reject_stray_options(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--seed and --overwrite only apply to --tiny and --toy")
     if args.tiny is None and args.layout is not None:
         parser.error("--layout only applies to --tiny")
+    if args.tiny is None and args.tiny_kind is not None:
+        parser.error("--tiny_kind only applies to --tiny")
+    if args.layout == "original" and args.tiny_kind not in (None, "t2v"):
+        parser.error(
+            f"--tiny_kind {args.tiny_kind} is written in the diffusers layout only (leave out --layout)"
+        )
 
 
 # --- download -------------------------------------------------------------------------------
@@ -484,6 +507,10 @@ def _first_line(error: BaseException) -> str:
 
 def verify(folder: Path) -> int:
     """Check that `folder` is a complete Wan 2.2 teacher in the diffusers layout; print the result."""
+    from distill.models.teacher_kind import refuse_undistillable
+
+    # Another Wan 2.2 model is told so, not that it misses this one's parts (or that it is complete).
+    refuse_undistillable(folder)
     problems = teacher_problems(folder)
     if problems:
         causes = ["The download or copy was interrupted.", "The folder is not the -Diffusers repository."]
@@ -583,30 +610,42 @@ def _problem_details(folder: Path, problems: list[str]) -> str:
 # --- tiny -----------------------------------------------------------------------------------
 
 
-def write_tiny(out_dir: Path, seed: int, overwrite: bool, layout: str = "diffusers") -> int:
+def write_tiny(
+    out_dir: Path, seed: int, overwrite: bool, layout: str = "diffusers", tiny_kind: str = "t2v"
+) -> int:
     """Write the tiny random teacher (diffusers or original layout) and say what it holds."""
     # imports torch and diffusers
+    from distill.models.teacher_kind import KINDS
     from distill.models.tiny import (
         ORIGINAL_LAYOUT_SHAPE,
-        TinyTeacherShape,
+        tiny_shape,
         write_tiny_original_teacher,
         write_tiny_teacher,
     )
 
+    kind = next(k for k in KINDS if k.name.split("-")[0] == tiny_kind)
     if layout == "original":
         shape = ORIGINAL_LAYOUT_SHAPE
         path = write_tiny_original_teacher(out_dir, seed=seed, shape=shape, overwrite=overwrite)
     else:
-        shape = TinyTeacherShape()
-        path = write_tiny_teacher(out_dir, seed=seed, shape=shape, overwrite=overwrite)
+        shape = tiny_shape(kind)
+        path = write_tiny_teacher(out_dir, seed=seed, shape=shape, kind=kind, overwrite=overwrite)
     total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    name = kind.model.replace("Wan2.2-", "").replace("-", " ")
     print(
-        f"Wrote a tiny random Wan 2.2 T2V A14B teacher (seed {seed}, {layout} layout) to {path} "
+        f"Wrote a tiny random Wan 2.2 {name} teacher (seed {seed}, {layout} layout) to {path} "
         f"({total / 1024:.0f} KiB):"
     )
     for entry in present_entries(path):
         files = sorted(p.name for p in (path / entry).iterdir()) if entry.endswith("/") else []
         print(f"  {entry:<18} {' '.join(files)}")
+    if kind.experts == 1:
+        print(
+            f"  transformer: {shape.num_layers} layers, {shape.num_attention_heads} heads x "
+            f"{shape.attention_head_dim}, text_dim {shape.text_dim}, {kind.in_channels} channels in and out, "
+            "a timestep per token (expand_timesteps)"
+        )
+        return 0
     print(
         f"  experts: {shape.num_layers} layers, {shape.num_attention_heads} heads x {shape.attention_head_dim}, "
         f"text_dim {shape.text_dim}, boundary_ratio {shape.boundary_ratio} "
@@ -616,6 +655,8 @@ def write_tiny(out_dir: Path, seed: int, overwrite: bool, layout: str = "diffuse
             else "(transformer/ = high noise, transformer_2/ = low noise)"
         )
     )
+    if not kind.distillable:
+        print(f"  {kind.in_channels} input channels ({kind.inputs}); this version does not distil it yet")
     return 0
 
 
@@ -661,7 +702,9 @@ def write_toy(out_dir: Path, seed: int | None, overwrite: bool) -> int:
 def convert(src: Path, dst: Path) -> int:
     """Write the diffusers layout of an ORIGINAL Wan 2.2 folder, then check it like --verify."""
     from distill.models.original.convert import convert_original  # imports torch and diffusers lazily
+    from distill.models.teacher_kind import refuse_undistillable
 
+    refuse_undistillable(src)  # from its config.json, before tens of GB are read
     convert_original(src, dst)
     return verify(dst)
 

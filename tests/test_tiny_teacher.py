@@ -166,7 +166,7 @@ def test_a_crash_leaves_the_old_folder_and_no_partial_one(
 ) -> None:
     import distill.models.tiny
 
-    def crash(folder: Path, shape: TinyTeacherShape) -> None:
+    def crash(folder: Path, shape: TinyTeacherShape, *kind: object) -> None:
         assert (folder / "transformer_2").is_dir()  # the crash comes after the files were written
         raise RuntimeError("disk full")
 

@@ -32,6 +32,7 @@ from distill.models.layout import (
 from distill.models.lockstep import one_token_inputs
 from distill.models.original.convert import ensure_converted
 from distill.models.original.detect import looks_original
+from distill.models.teacher_kind import T2V_A14B, TeacherKind, refuse_undistillable
 from distill.ops.errors import DistillError, Stage
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,8 @@ class TeacherInfo:
     expert_config: dict[str, Any]
     vae_scale_spatial: int
     vae_scale_temporal: int
+    # Which Wan 2.2 model, read from its files (models/teacher_kind.py): only distillable kinds get here.
+    kind: TeacherKind = T2V_A14B
 
     @property
     def latent_channels(self) -> int:
@@ -214,6 +217,19 @@ def check_teacher_configs(path: Path) -> tuple[dict[str, Any], ...]:
     )
 
 
+def _refuse_undistillable_hub_id(path_or_id: str) -> None:
+    """A hub id of a model this version cannot distil is refused from its configs (a few KB), before
+    the whole repository (~120 GB) is fetched. Any failure to get them is left to the whole fetch,
+    which reports it with the fixes of a training run."""
+    if Path(path_or_id).expanduser().exists() or not HUB_ID.match(path_or_id):
+        return
+    try:
+        configs = resolve_teacher_path(path_or_id, configs_only=True)
+    except DistillError:
+        return
+    refuse_undistillable(configs, shown=path_or_id)
+
+
 def inspect_teacher(
     path_or_id: str,
     boundary_ratio: float | None = None,
@@ -227,7 +243,11 @@ def inspect_teacher(
     returned info points at that copy, so every later stage reads the diffusers layout. With
     `configs_only` (a --dry_run plan) a hub id is fetched without its weights.
     """
+    if not configs_only:
+        _refuse_undistillable_hub_id(path_or_id)
     path = resolve_teacher_path(path_or_id, configs_only)
+    # The kind first: a folder of another Wan 2.2 model is told so, not that it misses this one's parts.
+    reading = refuse_undistillable(path, shown=path_or_id)
     if looks_original(path):
         path = ensure_converted(path, convert_dir)
     missing = missing_components(path)
@@ -285,6 +305,7 @@ def inspect_teacher(
         expert_config=high,
         vae_scale_spatial=int(spatial),
         vae_scale_temporal=int(temporal),
+        kind=reading.kind if reading is not None else T2V_A14B,
     )
 
 

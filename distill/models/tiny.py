@@ -10,6 +10,13 @@ diffusers expects.
     from distill.models.tiny import write_tiny_original_teacher, write_tiny_teacher
     write_tiny_teacher("outputs/tiny_teacher", seed=0)
     write_tiny_original_teacher("outputs/tiny_teacher_original", seed=0)   # the original Wan layout
+
+The other two Wan 2.2 models have tiny teachers in their diffusers layouts too (`kind=`, see
+distill/models/teacher_kind.py): Wan2.2-I2V-A14B (WanImageToVideoPipeline, two experts with 36
+input channels, no image encoder) and Wan2.2-TI2V-5B (WanPipeline with expand_timesteps, one
+48-channel transformer, no transformer_2/, the Wan2.2 VAE with 48 latent channels).
+
+    write_tiny_teacher("outputs/tiny_i2v_teacher", seed=0, kind=I2V_A14B)
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import diffusers
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -39,7 +48,11 @@ from distill.models.layout import (
     missing_components,
     present_entries,
 )
+from distill.models.teacher_kind import I2V_A14B, T2V_A14B, TI2V_5B, TeacherKind, read_teacher_kind
 from distill.ops.errors import DistillError, Stage
+
+if TYPE_CHECKING:  # importing it prints a transformers warning (CLIPImageProcessor without torchvision)
+    from diffusers import WanImageToVideoPipeline
 
 # A folder this small cannot be a real teacher (the A14B one is ~120 GB, even Wan 2.1 1.3B is
 # several GB), so it is safe to replace without `overwrite=True`.
@@ -126,15 +139,28 @@ ORIGINAL_LAYOUT_SHAPE = TinyTeacherShape(
     vae_dim_mult=(1, 2, 4, 4), vae_num_res_blocks=2, text_relative_max_distance=128
 )
 
+# A teacher with one transformer (TI2V-5B) has no transformer_2/.
+ONE_EXPERT_COMPONENTS = tuple(c for c in DIFFUSERS_COMPONENTS if c != "transformer_2/")
+
+
+def tiny_shape(kind: TeacherKind = T2V_A14B) -> TinyTeacherShape:
+    """The default shape of a tiny teacher of `kind`: the same sizes, the kind's own expert switch
+    (I2V-A14B's boundary is 0.9; TI2V-5B has one transformer, so its boundary is unused)."""
+    if kind == I2V_A14B:
+        return TinyTeacherShape(boundary_ratio=I2V_A14B.boundary_ratio)
+    return TinyTeacherShape()
+
 
 def write_tiny_teacher(
     out_dir: str | Path,
     seed: int = 0,
-    shape: TinyTeacherShape = TinyTeacherShape(),  # noqa: B008 - frozen, so a shared default is safe
+    shape: TinyTeacherShape | None = None,
     *,
+    kind: TeacherKind = T2V_A14B,
     overwrite: bool = False,
 ) -> Path:
-    """Write a random tiny Wan 2.2 T2V A14B teacher to `out_dir` and return its path.
+    """Write a random tiny Wan 2.2 teacher of `kind` (default T2V A14B) to `out_dir`, in the diffusers
+    layout of that model, and return its path. `shape` defaults to `tiny_shape(kind)`.
 
     The same `seed` and `shape` give byte-identical weight files; a different seed gives
     different weights. The folder appears complete or not at all: everything is written to a
@@ -147,9 +173,10 @@ def write_tiny_teacher(
     # Not tempfile.mkdtemp: its 0700 mode would end up on the final folder.
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
+    shape = shape if shape is not None else tiny_shape(kind)
     try:
-        build_tiny_pipeline(seed, shape).save_pretrained(staging, safe_serialization=True)
-        _check_saved_index(staging, shape)
+        build_tiny_pipeline(seed, shape, kind).save_pretrained(staging, safe_serialization=True)
+        _check_saved_index(staging, shape, kind)
         _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -185,19 +212,37 @@ def write_tiny_original_teacher(
     return out_dir
 
 
-def build_tiny_pipeline(seed: int = 0, shape: TinyTeacherShape = TinyTeacherShape()) -> WanPipeline:  # noqa: B008
-    """The tiny teacher as an in-memory `WanPipeline` (what `write_tiny_teacher` saves)."""
+def build_tiny_pipeline(
+    seed: int = 0,
+    shape: TinyTeacherShape = TinyTeacherShape(),  # noqa: B008 - frozen, so a shared default is safe
+    kind: TeacherKind = T2V_A14B,
+) -> WanPipeline | WanImageToVideoPipeline:
+    """The tiny teacher of `kind` as an in-memory stock pipeline (what `write_tiny_teacher` saves).
+
+    Each component is seeded by its name, so the kinds share the tokenizer and text encoder of a
+    seed. I2V-A14B has no image encoder: its experts have no image cross-attention (image_dim
+    None), and the stock pipeline conditions on the image's latent only, as for the published model.
+    """
     tokenizer = build_tiny_tokenizer()
-    return WanPipeline(
+    experts = [
+        _seeded(seed, name, lambda: _build_expert(shape, kind.in_channels, kind.out_channels))
+        for name in ("transformer", "transformer_2")[: kind.experts]
+    ]
+    # The kind's stock pipeline, looked up by name: only an image-to-video one imports its module.
+    pipeline = (
+        WanPipeline if kind.pipeline_class == "WanPipeline" else getattr(diffusers, kind.pipeline_class)
+    )
+    return pipeline(
         tokenizer=tokenizer,
         text_encoder=_seeded(seed, "text_encoder", lambda: _build_text_encoder(len(tokenizer), shape)),
-        vae=_seeded(seed, "vae", lambda: _build_vae(shape)),
+        vae=_seeded(seed, "vae", lambda: _build_wan22_vae(shape) if kind == TI2V_5B else _build_vae(shape)),
         scheduler=UniPCMultistepScheduler(
             prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
         ),
-        transformer=_seeded(seed, "transformer", lambda: _build_expert(shape)),
-        transformer_2=_seeded(seed, "transformer_2", lambda: _build_expert(shape)),
-        boundary_ratio=shape.boundary_ratio,
+        transformer=experts[0],
+        transformer_2=experts[1] if kind.experts == 2 else None,
+        boundary_ratio=shape.boundary_ratio if kind.experts == 2 else None,
+        expand_timesteps=kind.per_token_timesteps,
     )
 
 
@@ -231,7 +276,7 @@ def t5_unigram_tokenizer(pieces: list[tuple[str, float]], model_max_length: int 
 def is_tiny_teacher(folder: str | Path) -> bool:
     """Whether `folder` holds a complete teacher (either layout) small enough to be a tiny one."""
     folder = Path(folder)
-    if missing_components(folder, DIFFUSERS_COMPONENTS) and missing_components(folder, ORIGINAL_COMPONENTS):
+    if missing_components(folder, ONE_EXPERT_COMPONENTS) and missing_components(folder, ORIGINAL_COMPONENTS):
         return False
     total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     return total <= _TINY_MAX_BYTES
@@ -284,13 +329,15 @@ def _seeded(seed: int, component: str, build):
         return build().eval()
 
 
-def _build_expert(shape: TinyTeacherShape) -> WanTransformer3DModel:
+def _build_expert(
+    shape: TinyTeacherShape, in_channels: int = 16, out_channels: int = 16
+) -> WanTransformer3DModel:
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=shape.num_attention_heads,
         attention_head_dim=shape.attention_head_dim,
-        in_channels=16,
-        out_channels=16,
+        in_channels=in_channels,
+        out_channels=out_channels,
         text_dim=shape.text_dim,
         freq_dim=shape.freq_dim,
         ffn_dim=shape.ffn_dim,
@@ -331,6 +378,28 @@ def _build_vae(shape: TinyTeacherShape) -> AutoencoderKLWan:
     )
 
 
+def _build_wan22_vae(shape: TinyTeacherShape) -> AutoencoderKLWan:
+    # The Wan2.2 VAE's structure (TI2V-5B): 2x2 pixel patchify into 12 channels, residual blocks,
+    # 48 latent channels, strides 4 (time) / 16 (space); tiny widths. Mean 0 / std 1 per channel
+    # (the real one's 48 values are its own statistics; a random VAE has none).
+    return AutoencoderKLWan(
+        base_dim=8,
+        decoder_base_dim=8,
+        z_dim=48,
+        dim_mult=list(shape.vae_dim_mult),
+        num_res_blocks=shape.vae_num_res_blocks,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=[0.0] * 48,
+        latents_std=[1.0] * 48,
+    )
+
+
 def _check_destination(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise DistillError(
@@ -351,15 +420,25 @@ def _check_destination(out_dir: Path, overwrite: bool) -> None:
     )
 
 
-def _check_saved_index(folder: Path, shape: TinyTeacherShape) -> None:
-    """Fail early if a diffusers change stops save_pretrained from writing the A14B layout."""
+def _check_saved_index(folder: Path, shape: TinyTeacherShape, kind: TeacherKind = T2V_A14B) -> None:
+    """Fail early if a diffusers change stops save_pretrained from writing the layout of `kind`."""
     index = json.loads((folder / "model_index.json").read_text())
-    missing = missing_components(folder, DIFFUSERS_COMPONENTS)
-    if missing or index.get("boundary_ratio") != shape.boundary_ratio or "transformer_2" not in index:
+    two = kind.experts == 2
+    missing = missing_components(folder, DIFFUSERS_COMPONENTS if two else ONE_EXPERT_COMPONENTS)
+    reading = read_teacher_kind(folder)
+    # A model with one transformer saves `"transformer_2": [null, null]`, or nothing.
+    listed = index.get("transformer_2") not in (None, [None, None])
+    if (
+        missing
+        or index.get("boundary_ratio") != (shape.boundary_ratio if two else None)
+        or listed != two
+        or reading is None
+        or reading.kind != kind
+    ):
         raise DistillError(
-            "The tiny teacher was not saved in the Wan 2.2 layout",
+            f"The tiny teacher was not saved in the {kind.model} layout",
             f"missing: {missing}; model_index.json: {json.dumps(index)}; shape: {asdict(shape)}",
-            causes=["An installed diffusers version saves WanPipeline differently."],
+            causes=[f"An installed diffusers version saves {kind.pipeline_class} differently."],
             fixes=["Install the diffusers version pinned in requirements.txt."],
             stage=Stage.INTERNAL,
         )
