@@ -10,8 +10,9 @@ import sys
 
 import torch
 
+from distill.models.guided_teacher import GuidedTeacher
 from distill.models.lora import STUDENT_ADAPTER, LoraExperts, LoraShape
-from distill.models.teacher import GuidedTeacher, inspect_teacher, load_expert, place_expert
+from distill.models.teacher import inspect_teacher, load_expert, place_expert
 from distill.ops import distributed
 
 EXPERTS = ("transformer", "transformer_2")

@@ -18,9 +18,10 @@ from distill.config.cli import parse_config
 from distill.data.caches import TensorCache
 from distill.models.few_step import few_step_scheduler, sample_few_step, student_grid
 from distill.models.flow_matching import apply_guidance
+from distill.models.guided_teacher import GuidedTeacher
 from distill.models.student import build_student
 from distill.models.student_config import load_student_config
-from distill.models.teacher import GuidedTeacher, inspect_teacher, load_expert
+from distill.models.teacher import inspect_teacher, load_expert
 from distill.train.methods.base import BatchRandomness, MethodEnv
 from distill.train.methods.dmd import DmdMethod, dmd_gradient, dmd_loss, score_estimates, score_sigmas
 from distill.train.trainer import Distiller

@@ -14,7 +14,8 @@ import torch
 from conftest import REPO, repo_pythonpath, train_args
 
 from distill.config.cli import parse_config
-from distill.models.teacher import GuidedTeacher, inspect_teacher, load_expert, place_expert
+from distill.models.guided_teacher import GuidedTeacher
+from distill.models.teacher import inspect_teacher, load_expert, place_expert
 from distill.train.trainer import Distiller
 
 pytestmark = [

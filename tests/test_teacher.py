@@ -6,7 +6,8 @@ import shutil
 import pytest
 import torch
 
-from distill.models.teacher import GuidedTeacher, inspect_teacher, load_expert
+from distill.models.guided_teacher import GuidedTeacher
+from distill.models.teacher import inspect_teacher, load_expert
 from distill.ops.errors import DistillError, Stage
 
 

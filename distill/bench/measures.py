@@ -19,7 +19,7 @@ from distill.models.flow_matching import (
     sample_sigmas,
     sigmas_to_timesteps,
 )
-from distill.models.teacher import GuidedTeacher
+from distill.models.guided_teacher import GuidedTeacher
 
 # Dense bf16 tensor-core peak (no sparsity), matched against torch.cuda.get_device_name.
 PEAK_BF16_TFLOPS = (

@@ -23,9 +23,10 @@ from distill.bench.settings import (
 )
 from distill.config.settings import TrainConfig
 from distill.data.dataset import DistillationDataset
+from distill.models.guided_teacher import GuidedTeacher
 from distill.models.student import build_student
 from distill.models.student_config import TEACHER_SHARED_KEYS, load_student_config
-from distill.models.teacher import GuidedTeacher, place_expert
+from distill.models.teacher import place_expert
 from distill.ops.distributed import DistContext
 
 

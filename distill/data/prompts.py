@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,26 @@ def _data_error(path: Path, problem: str, fix: str, flag: str = "--data_path") -
     return DistillError(f"{flag} {path}: {problem}", fixes=[fix], stage=Stage.DATA)
 
 
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt, the line of its file it came from, and the record's fields (none for .txt):
+    readers of files that pair a prompt with more (an image) take the rest from `fields`."""
+
+    line: int
+    prompt: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
 def read_prompts(path: str | Path, flag: str = "--data_path") -> list[str]:
     """Prompts from .txt (one a line; blank and '#' lines skipped), .jsonl, .csv or .tsv (a 'prompt' field).
 
     `flag` is the setting the path came from, named in every error.
     """
+    return [record.prompt for record in read_prompt_records(path, flag)]
+
+
+def read_prompt_records(path: str | Path, flag: str = "--data_path") -> list[PromptRecord]:
+    """As `read_prompts`, keeping each prompt's line and its record's fields."""
     path = Path(path)
     if path.is_dir():
         inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in PROMPT_SUFFIXES)
@@ -54,20 +70,23 @@ def read_prompts(path: str | Path, flag: str = "--data_path") -> list[str]:
         ) from None
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        prompts = _prompts_from_jsonl(path, text, flag)
+        records = _prompts_from_jsonl(path, text, flag)
     elif suffix in (".csv", ".tsv"):
-        prompts = _prompts_from_table(path, text, flag, "\t" if suffix == ".tsv" else ",")
+        records = _prompts_from_table(path, text, flag, "\t" if suffix == ".tsv" else ",")
     else:
-        prompts = [line.strip() for line in text.splitlines() if not line.lstrip().startswith("#")]
-    prompts = [p for p in prompts if p]
-    if not prompts:
+        records = [
+            PromptRecord(number, line.strip())
+            for number, line in enumerate(text.splitlines(), 1)
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
+    if not records:
         raise _data_error(
             path, "holds no prompts", "write one prompt per line (lines starting with # are comments)", flag
         )
-    return prompts
+    return records
 
 
-def _prompts_from_jsonl(path: Path, text: str, flag: str) -> list[str]:
+def _prompts_from_jsonl(path: Path, text: str, flag: str) -> list[PromptRecord]:
     prompts = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -93,11 +112,11 @@ def _prompts_from_jsonl(path: Path, text: str, flag: str) -> list[str]:
                 'write {"prompt": "..."} per line',
                 flag,
             )
-        prompts.append(_prompt_text(path, number, record["prompt"], flag))
+        prompts.append(PromptRecord(number, _prompt_text(path, number, record["prompt"], flag), record))
     return prompts
 
 
-def _prompts_from_table(path: Path, text: str, flag: str, delimiter: str) -> list[str]:
+def _prompts_from_table(path: Path, text: str, flag: str, delimiter: str) -> list[PromptRecord]:
     """The 'prompt' column of a .csv / .tsv file whose first line names the columns."""
     kind = "tab" if delimiter == "\t" else "comma"
     reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
@@ -129,7 +148,7 @@ def _prompts_from_table(path: Path, text: str, flag: str, delimiter: str) -> lis
                     "give every row a value for each column of the header",
                     flag,
                 )
-            prompts.append(_prompt_text(path, line, row["prompt"], flag))
+            prompts.append(PromptRecord(line, _prompt_text(path, line, row["prompt"], flag), row))
     except csv.Error as exc:
         raise _data_error(
             path, f"line {reader.line_num} is not valid {kind}-separated text ({exc})", "fix that line", flag

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from distill.models.teacher import free
+from distill.models.teacher_kind import I2V_A14B, T2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
 
 logger = logging.getLogger(__name__)
@@ -240,12 +241,24 @@ def student_pipeline(student: torch.nn.Module, scheduler: Any, **components: Any
 
 
 def teacher_pipeline(
-    high: torch.nn.Module, low: torch.nn.Module, boundary_ratio: float, scheduler: Any, **components: Any
+    high: torch.nn.Module,
+    low: torch.nn.Module,
+    boundary_ratio: float,
+    scheduler: Any,
+    kind: TeacherKind = T2V_A14B,
+    **components: Any,
 ) -> Any:
-    """WanPipeline running both experts: `high` (transformer) while t >= boundary_ratio * 1000, `low` below."""
-    from diffusers import WanPipeline
+    """The stock pipeline of `kind` running both experts: `high` (transformer) while
+    t >= boundary_ratio * 1000, `low` below. WanPipeline for text to video; WanImageToVideoPipeline
+    for image to video, which needs `vae=` (it encodes the image) and has no image encoder (the
+    I2V-A14B model takes none)."""
+    import diffusers
 
-    pipe = WanPipeline(
+    if kind == I2V_A14B and components.get("vae") is None:
+        raise ValueError("the image-to-video pipeline needs the teacher's VAE (vae=) to encode the image")
+    # The kind's stock pipeline by name: only an image-to-video one imports its module.
+    pipeline_class = getattr(diffusers, kind.pipeline_class)
+    pipe = pipeline_class(
         tokenizer=components.get("tokenizer"),
         text_encoder=components.get("text_encoder"),
         vae=components.get("vae"),
@@ -283,10 +296,13 @@ def sample_latents(
     steps: int,
     guidance_scale: float,
     guidance_scale_2: float | None = None,
+    image: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run `pipe` from `noise` (1,C,F,H,W) to its final latent (C,F,H,W), float32 on the CPU.
 
-    `prompt_embeds` is (1, L, D) or (L, D), zero-padded as WanPipeline pads prompts.
+    `prompt_embeds` is (1, L, D) or (L, D), zero-padded as WanPipeline pads prompts. `image` (an
+    image-to-video pipeline only) is the first frame, (3, H, W) or (1, 3, H, W) in [-1, 1], already
+    resized and cropped to the sample's size as the pipeline's video processor does it.
     """
     device = pipe._execution_device
     dtype = compute_dtype(pipe.transformer if pipe.transformer is not None else pipe.transformer_2)
@@ -298,20 +314,51 @@ def sample_latents(
     scale = pipe.vae_scale_factor_spatial
     if pipe.config.boundary_ratio is None:
         guidance_scale_2 = None  # WanPipeline refuses a second scale for a single model
-    latents = pipe(
-        prompt_embeds=cond,
-        negative_prompt_embeds=uncond,
-        height=height * scale,
-        width=width * scale,
-        num_frames=(frames - 1) * pipe.vae_scale_factor_temporal + 1,
-        num_inference_steps=steps,
-        guidance_scale=guidance_scale,
-        guidance_scale_2=guidance_scale_2,
-        latents=noise.to(device),
-        output_type="latent",
-        max_sequence_length=cond.shape[1],
-    ).frames
+    takes_image = type(pipe).__name__ == I2V_A14B.pipeline_class
+    if takes_image != (image is not None):
+        raise ValueError(f"{type(pipe).__name__} " + ("needs an image" if takes_image else "takes no image"))
+    extra: dict[str, Any] = {}
+    if image is not None:
+        extra["image"] = image.reshape(1, *image.shape[-3:]).float()
+    with _preprocessed_images(pipe, image is not None):
+        latents = pipe(
+            prompt_embeds=cond,
+            negative_prompt_embeds=uncond,
+            height=height * scale,
+            width=width * scale,
+            num_frames=(frames - 1) * pipe.vae_scale_factor_temporal + 1,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            guidance_scale_2=guidance_scale_2,
+            latents=noise.to(device),
+            output_type="latent",
+            max_sequence_length=cond.shape[1],
+            **extra,
+        ).frames
     return latents[0].float().cpu()
+
+
+@contextlib.contextmanager
+def _preprocessed_images(pipe: Any, active: bool) -> Iterator[None]:
+    """Let `pipe` take an image that is already preprocessed, as it is.
+
+    The stock video processor expects [0, 1] and maps it to [-1, 1] unless the image has a negative
+    value: a preprocessed image of a bright scene (no value below 0) would be mapped twice. For the
+    call, a processor that neither resizes nor normalises stands in for it.
+    """
+    if not active:
+        yield
+        return
+    from diffusers.video_processor import VideoProcessor
+
+    stock = pipe.video_processor
+    pipe.video_processor = VideoProcessor(
+        vae_scale_factor=pipe.vae_scale_factor_spatial, do_resize=False, do_normalize=False
+    )
+    try:
+        yield
+    finally:
+        pipe.video_processor = stock
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from distill.models.flow_matching import NUM_TRAIN_TIMESTEPS, add_noise, per_sample_mse
+from distill.models.guided_teacher import GuidedTeacher
 from distill.models.pipelines import (
     compute_dtype,
     decode_latents,
@@ -27,7 +28,7 @@ from distill.models.pipelines import (
     teacher_pipeline,
     teacher_vae,
 )
-from distill.models.teacher import GuidedTeacher, TeacherInfo
+from distill.models.teacher import TeacherInfo
 from distill.sample.media import rank_share
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's; only for students exported without run_settings.json

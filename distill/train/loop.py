@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distill.config.settings import TrainConfig
 from distill.data.dataset import DistillationDataset, ResumableSampler
+from distill.models.guided_teacher import GuidedTeacher
 from distill.models.lora import RoutedModel
 from distill.models.student import unwrap_model
-from distill.models.teacher import GuidedTeacher
 from distill.ops import distributed as dist_utils
 from distill.ops import watchdog, workers
 from distill.ops.errors import DistillError, Progress, Stage

@@ -24,6 +24,7 @@ from distill.data.caches import TensorCache
 from distill.data.dataset import DistillationDataset
 from distill.data.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
 from distill.data.prompts import read_prompts, reference_prompts
+from distill.models.guided_teacher import GuidedTeacher
 from distill.models.layout import require_weights
 from distill.models.lora import CRITIC_ADAPTER, STUDENT_ADAPTER, ExpertCopies, LoraExperts, LoraShape
 from distill.models.lora_folder import LoraFolder
@@ -31,7 +32,6 @@ from distill.models.original.configs import check_original_exportable
 from distill.models.student import build_student, init_student_from_teacher, load_pretrained_student
 from distill.models.student_config import load_student_config
 from distill.models.teacher import (
-    GuidedTeacher,
     TeacherInfo,
     inspect_teacher,
     load_expert,
@@ -131,8 +131,7 @@ class Distiller:
         )
         if not cfg.dry_run:  # a dry run plans from the configs alone (download_wan.py --configs_only)
             require_weights(self.info.path)
-        # Refuse a student that cannot work with this teacher before loading anything heavy. A LoRA
-        # student is the teacher's own experts (both of one config) with adapters.
+        # Refuse a student that cannot work with this teacher before loading anything heavy.
         self.student_config = (
             dict(self.info.expert_config)
             if cfg.student_lora_rank
@@ -277,6 +276,7 @@ class Distiller:
             self.device,
             self.teacher_dtype,
             lockstep=self.placement == "shard",
+            kind=self.info.kind,
         )
         return embeddings, latents, negative, teacher
 

@@ -19,7 +19,7 @@ import torch
 
 from distill.config.settings import TrainConfig
 from distill.models.flow_matching import sample_sigmas
-from distill.models.teacher import GuidedTeacher
+from distill.models.guided_teacher import GuidedTeacher
 
 
 def sample_seed(seed: int, draw: int, row: int) -> int:

@@ -38,7 +38,7 @@ from distill.models.flow_matching import (
     shift_sigmas,
     sigmas_to_timesteps,
 )
-from distill.models.teacher import GuidedTeacher
+from distill.models.guided_teacher import GuidedTeacher
 from distill.train.methods.base import BatchRandomness, Method, MethodEnv, UpdateLoss
 
 logger = logging.getLogger(__name__)
