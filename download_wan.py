@@ -505,12 +505,13 @@ def _first_line(error: BaseException) -> str:
 # --- verify ---------------------------------------------------------------------------------
 
 
-def verify(folder: Path) -> int:
-    """Check that `folder` is a complete Wan 2.2 teacher in the diffusers layout; print the result."""
-    from distill.models.teacher_kind import refuse_undistillable
+def verify(folder: Path, any_kind: bool = False) -> int:
+    """Check that `folder` is a complete Wan 2.2 teacher in the diffusers layout; print the result.
+    `any_kind`: check the layout of a model this version does not distil too (after --convert)."""
+    from distill.models.teacher_kind import read_teacher_kind, refuse_undistillable
 
     # Another Wan 2.2 model is told so, not that it misses this one's parts (or that it is complete).
-    refuse_undistillable(folder)
+    reading = read_teacher_kind(folder) if any_kind else refuse_undistillable(folder)
     problems = teacher_problems(folder)
     if problems:
         causes = ["The download or copy was interrupted.", "The folder is not the -Diffusers repository."]
@@ -529,6 +530,8 @@ def verify(folder: Path) -> int:
             stage=Stage.TEACHER_LOAD,
         )
     print(f"OK: {folder} is a complete Wan 2.2 diffusers teacher ({', '.join(DIFFUSERS_COMPONENTS)}).")
+    if reading is not None and not reading.kind.distillable:
+        print(f"  It holds {reading.kind.model} ({reading.kind.task}); this version does not distil it yet.")
     return 0
 
 
@@ -702,11 +705,11 @@ def write_toy(out_dir: Path, seed: int | None, overwrite: bool) -> int:
 def convert(src: Path, dst: Path) -> int:
     """Write the diffusers layout of an ORIGINAL Wan 2.2 folder, then check it like --verify."""
     from distill.models.original.convert import convert_original  # imports torch and diffusers lazily
-    from distill.models.teacher_kind import refuse_undistillable
 
-    refuse_undistillable(src)  # from its config.json, before tens of GB are read
+    # Conversion is a layout operation: any model it takes converts (the I2V teacher too); the
+    # trainer refuses the kinds it cannot distil when it loads the result.
     convert_original(src, dst)
-    return verify(dst)
+    return verify(dst, any_kind=True)
 
 
 if __name__ == "__main__":

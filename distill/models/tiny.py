@@ -32,7 +32,7 @@ import unicodedata
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -184,27 +184,38 @@ def write_tiny_teacher(
     return out_dir
 
 
+def original_layout_shape(kind: TeacherKind = T2V_A14B) -> TinyTeacherShape:
+    """ORIGINAL_LAYOUT_SHAPE with the expert switch of `kind` (I2V-A14B: 0.9)."""
+    return replace(ORIGINAL_LAYOUT_SHAPE, boundary_ratio=tiny_shape(kind).boundary_ratio)
+
+
 def write_tiny_original_teacher(
     out_dir: str | Path,
     seed: int = 0,
-    shape: TinyTeacherShape = ORIGINAL_LAYOUT_SHAPE,
+    shape: TinyTeacherShape | None = None,
     *,
     overwrite: bool = False,
+    kind: TeacherKind = T2V_A14B,
 ) -> Path:
-    """Write the same tiny teacher as `write_tiny_teacher(out_dir, seed, shape)` in the ORIGINAL
-    Wan layout (models_t5_umt5-xxl-enc-bf16.pth, google/umt5-xxl/, Wan2.1_VAE.pth,
-    high_noise_model/, low_noise_model/). Weights stay float32 whatever the file names say, so a
-    conversion can be compared exactly with the diffusers-layout teacher of the same seed and shape.
+    """Write the same tiny teacher as `write_tiny_teacher(out_dir, seed, shape, kind=kind)` in the
+    ORIGINAL Wan layout (models_t5_umt5-xxl-enc-bf16.pth, google/umt5-xxl/, Wan2.1_VAE.pth,
+    high_noise_model/, low_noise_model/ with config.json model_type t2v or i2v). `shape` defaults to
+    `original_layout_shape(kind)`. Weights stay float32 whatever the file names say, so a conversion
+    can be compared exactly with the diffusers-layout teacher of the same seed, shape and kind.
+    Only the two-expert kinds have this layout here (TI2V-5B's has one transformer, another VAE).
     """
     from distill.models.original.export import save_original_layout
 
+    if kind.experts != 2:
+        raise ValueError(f"the tiny {kind.model} teacher is written in the diffusers layout only")
+    shape = shape if shape is not None else original_layout_shape(kind)
     out_dir = Path(out_dir).expanduser().absolute()
     _check_destination(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        save_original_layout(build_tiny_pipeline(seed, shape), staging, shape.boundary_ratio)
+        save_original_layout(build_tiny_pipeline(seed, shape, kind), staging, shape.boundary_ratio, kind=kind)
         _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

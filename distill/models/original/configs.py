@@ -8,7 +8,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from distill.models.original.detect import T5_MAX_DISTANCE
+from distill.models.teacher_kind import KINDS
 from distill.ops.errors import DistillError, Stage
+
+# The models whose original layout converts: the two-expert ones (T2V-A14B, I2V-A14B), which share
+# the VAE, the T5 and the expert folders. TI2V-5B has one transformer and the Wan2.2 VAE.
+CONVERTIBLE_KINDS = tuple(k for k in KINDS if k.experts == 2)
 
 
 def umt5_config_from_original(state: Mapping[str, Any]) -> Any:
@@ -68,10 +73,12 @@ def expert_config_from_original(config: Mapping[str, Any], shapes: Mapping[str, 
     the weights, the norms are always on in WanModel.
     """
     cfg = {**_WAN_MODEL_DEFAULTS, **config}
-    if cfg["model_type"] != "t2v":
+    if cfg["model_type"] not in {k.original_model_type for k in CONVERTIBLE_KINDS}:
         raise DistillError(
-            f"this expert is a Wan {cfg['model_type']!r} model; only text-to-video (t2v) teachers are supported",
-            fixes=["use Wan-AI/Wan2.2-T2V-A14B"],
+            f"this expert is a Wan {cfg['model_type']!r} model; the conversion takes "
+            + " and ".join(f"{k.original_model_type} ({k.model})" for k in CONVERTIBLE_KINDS)
+            + " experts only",
+            fixes=[f"use {CONVERTIBLE_KINDS[0].repo_id}"],
             stage=Stage.TEACHER_LOAD,
         )
     dim, heads = int(cfg["dim"]), int(cfg["num_heads"])
@@ -130,9 +137,10 @@ def check_original_exportable(
         )
 
 
-def original_expert_config(config: Mapping[str, Any]) -> dict[str, Any]:
+def original_expert_config(config: Mapping[str, Any], model_type: str = "t2v") -> dict[str, Any]:
     """The original WanModel config.json for a WanTransformer3DModel config, refusing what WanModel
-    cannot express."""
+    cannot express. `model_type` is the model's (TeacherKind.original_model_type): the input channels
+    alone do not tell Wan's code which conditioning to build."""
     import diffusers
 
     check_original_exportable(config)
@@ -140,7 +148,7 @@ def original_expert_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "_class_name": "WanModel",
         "_diffusers_version": diffusers.__version__,
-        "model_type": "t2v",
+        "model_type": model_type,
         "text_len": 512,
         "in_dim": int(config["in_channels"]),
         "dim": heads * head_dim,

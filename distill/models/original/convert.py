@@ -20,6 +20,7 @@ from distill.models.layout import (
     present_entries,
 )
 from distill.models.original.configs import (
+    CONVERTIBLE_KINDS,
     expert_config_from_original,
     umt5_config_from_original,
     vae_config_from_original,
@@ -42,6 +43,7 @@ from distill.models.original.detect import (
     source_fingerprint,
 )
 from distill.models.original.keymaps import renamed_keys, t5_to_transformers
+from distill.models.teacher_kind import T2V_A14B, TeacherKind, read_teacher_kind
 from distill.ops.errors import DistillError, Stage
 
 if TYPE_CHECKING:  # torch and diffusers cost seconds to import; checks on folders need neither
@@ -125,6 +127,7 @@ def convert_original(src: str | Path, dst: str | Path) -> Path:
             ],
             stage=Stage.TEACHER_LOAD,
         )
+    kind = convertible_kind(src)  # from its config.json, before tens of GB are read
     problems = original_problems(src)
     if problems:
         raise incomplete_error(src, problems)
@@ -144,7 +147,7 @@ def convert_original(src: str | Path, dst: str | Path) -> Path:
     staging.mkdir()
     started = time.monotonic()
     try:
-        _convert_into(src, staging)
+        _convert_into(src, staging, kind)
         _write_marker(staging, src, fingerprint, time.monotonic() - started)
         os.replace(staging, dst)
     except BaseException as error:
@@ -178,7 +181,28 @@ def _write_marker(folder: Path, src: Path, fingerprint: str, seconds: float) -> 
     (folder / MARKER).write_text(json.dumps({**record, "seconds": round(seconds, 1)}, indent=2) + "\n")
 
 
-def _convert_into(src: Path, out: Path) -> None:
+def convertible_kind(src: Path) -> TeacherKind:
+    """The model of the original folder `src` (T2V-A14B where its config.json does not say: an
+    unknown model type is named by the expert's conversion), refusing one the conversion cannot take."""
+    reading = read_teacher_kind(src)
+    if reading is None or reading.kind in CONVERTIBLE_KINDS:
+        return reading.kind if reading else T2V_A14B
+    kind = reading.kind
+    raise DistillError(
+        f"{src} holds the {kind.model} teacher in the original layout, which this converter does not take",
+        "Read from its files:\n"
+        + "\n".join(f"- {line}" for line in reading.evidence)
+        + "\nThe conversion takes "
+        + " and ".join(k.model for k in CONVERTIBLE_KINDS)
+        + f" (two experts, the Wan2.1 VAE); {kind.model} has "
+        + ("two experts" if kind.experts == 2 else "one transformer")
+        + f" and {kind.in_channels} latent channels.",
+        fixes=[f"download its diffusers layout instead: {kind.repo_id}"],
+        stage=Stage.TEACHER_LOAD,
+    )
+
+
+def _convert_into(src: Path, out: Path, kind: TeacherKind = T2V_A14B) -> None:
     """Every component, the lightest first, so a problem shows before the experts (tens of GB) are read."""
     shutil.copytree(src / TOKENIZER_DIR, out / "tokenizer")
     _write_scheduler(out / "scheduler")
@@ -186,17 +210,18 @@ def _convert_into(src: Path, out: Path) -> None:
     convert_text_encoder(src / T5_FILE, out / "text_encoder")
     for component, expert in EXPERT_DIRS.items():
         convert_expert(src / expert, out / component)
-    _write_model_index(out, _boundary_ratio(src))
+    _write_model_index(out, _boundary_ratio(src, kind), kind)
     if missing_components(out):
         raise DistillError(
             "the conversion left out " + ", ".join(missing_components(out)), stage=Stage.INTERNAL
         )
 
 
-def _boundary_ratio(src: Path) -> float:
+def _boundary_ratio(src: Path, kind: TeacherKind = T2V_A14B) -> float:
     path = src / CONFIGURATION_FILE
     config = json.loads(path.read_text()) if path.is_file() else {}
-    return float(config.get("boundary_ratio", A14B_BOUNDARY_RATIO))
+    # The release leaves the model's own switch to Wan's Python config (0.875 T2V, 0.9 I2V).
+    return float(config.get("boundary_ratio", kind.boundary_ratio or A14B_BOUNDARY_RATIO))
 
 
 def _write_scheduler(folder: Path) -> None:
@@ -210,11 +235,11 @@ def _write_scheduler(folder: Path) -> None:
     ).save_pretrained(folder)
 
 
-def _write_model_index(folder: Path, boundary_ratio: float) -> None:
+def _write_model_index(folder: Path, boundary_ratio: float, kind: TeacherKind = T2V_A14B) -> None:
     import diffusers
 
-    index = {
-        "_class_name": "WanPipeline",
+    index: dict[str, Any] = {
+        "_class_name": kind.pipeline_class,
         "_diffusers_version": diffusers.__version__,
         "boundary_ratio": boundary_ratio,
         "expand_timesteps": False,
@@ -225,7 +250,11 @@ def _write_model_index(folder: Path, boundary_ratio: float) -> None:
         "transformer_2": ["diffusers", "WanTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
-    (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    # The pipeline's other optional components are left out, as its hub repository saves them
+    # (WanImageToVideoPipeline: image_encoder and image_processor, which Wan2.2-I2V has none of).
+    optional = getattr(diffusers, kind.pipeline_class)._optional_components
+    index.update({name: [None, None] for name in optional if name not in index})
+    (folder / "model_index.json").write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,9 +393,9 @@ def _check_keys(expected: Mapping[str, tuple], got: Mapping[str, tuple], what: s
         "\n".join(lines),
         causes=[
             "a damaged or foreign checkpoint",
-            "a Wan variant this converter does not know (I2V, TI2V-5B)",
+            "a Wan variant this converter does not know (TI2V-5B, S2V, Animate)",
         ],
-        fixes=["re-download the file", "use Wan-AI/Wan2.2-T2V-A14B-Diffusers instead"],
+        fixes=["re-download the file", "or download the model's diffusers layout instead"],
         stage=Stage.TEACHER_LOAD,
     )
 

@@ -21,19 +21,28 @@ from distill.models.original.detect import (
     expert_shards,
 )
 from distill.models.original.keymaps import t5_to_original, transformer_to_original, vae_to_original
+from distill.models.teacher_kind import T2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
 
 if TYPE_CHECKING:  # torch costs seconds to import; only the annotations name it here
     import torch
 
 
-def save_original_layout(pipe: Any, folder: Path, boundary_ratio: float, shards_per_expert: int = 2) -> None:
-    """Write an in-memory WanPipeline (tokenizer, T5, VAE, two experts) in the original layout."""
+def save_original_layout(
+    pipe: Any,
+    folder: Path,
+    boundary_ratio: float,
+    shards_per_expert: int = 2,
+    kind: TeacherKind = T2V_A14B,
+) -> None:
+    """Write an in-memory two-expert pipeline of `kind` (tokenizer, T5, VAE, two experts; WanPipeline
+    or WanImageToVideoPipeline without image encoder) in the original layout."""
     import torch
 
-    config: dict[str, Any] = {"framework": "Pytorch", "task": "text-to-video"}
-    if boundary_ratio != A14B_BOUNDARY_RATIO:
-        config["boundary_ratio"] = boundary_ratio  # the release relies on Wan's code for 0.875
+    config: dict[str, Any] = {"framework": "Pytorch", "task": kind.task.replace(" ", "-")}
+    if boundary_ratio != (kind.boundary_ratio or A14B_BOUNDARY_RATIO):
+        # the release relies on Wan's code for the model's own switch (0.875 T2V, 0.9 I2V)
+        config["boundary_ratio"] = boundary_ratio
     (folder / CONFIGURATION_FILE).write_text(json.dumps(config, indent=2) + "\n")
     pipe.tokenizer.save_pretrained(folder / TOKENIZER_DIR)
     torch.save(_plain(t5_to_original(pipe.text_encoder.state_dict())), folder / T5_FILE)
@@ -43,7 +52,8 @@ def save_original_layout(pipe: Any, folder: Path, boundary_ratio: float, shards_
         expert = getattr(pipe, component)
         out = folder / name
         out.mkdir()
-        (out / "config.json").write_text(json.dumps(original_expert_config(expert.config), indent=2) + "\n")
+        expert_config = original_expert_config(expert.config, kind.original_model_type)
+        (out / "config.json").write_text(json.dumps(expert_config, indent=2) + "\n")
         _save_sharded(transformer_to_original(expert.state_dict()), out, shards_per_expert)
 
 
