@@ -24,7 +24,7 @@ import torch
 from distill.bench.settings import A14B_EXPERT, SMALL_EXPERT
 from distill.ops.command import Parser, PathAction, entry_point
 from distill.ops.paths import Kind, PathFlag, check_paths
-from distill.train.activations import DTYPES, ModelUse, no_grad_peak, trained
+from distill.train.activations import DTYPES, ModelUse, as_used, no_grad_peak, trained
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 GB = 1e9
@@ -107,17 +107,7 @@ def real_model(use: ModelUse, device: torch.device) -> torch.nn.Module:
     from distill.models.student import build_student
 
     with torch.device(device):
-        model = build_student(json.loads(use.config))
-    dtype = DTYPES[use.weights]
-    keep = tuple(getattr(type(model), "_keep_in_fp32_modules", None) or ())
-    for name, p in model.named_parameters():
-        if dtype != torch.float32 and not any(m in name.split(".") for m in keep):
-            p.data = p.data.to(dtype)
-    if use.lora_rank:
-        from distill.models.lora import LoraShape, add_adapter
-
-        add_adapter(model, "student", LoraShape(use.lora_rank, use.lora_alpha, use.lora_targets), seed=0)
-        model.to(device)
+        model = as_used(build_student(json.loads(use.config)), use).to(device)  # adapters too
     if use.checkpointing:
         model.enable_gradient_checkpointing()
     return model

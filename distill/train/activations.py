@@ -132,6 +132,21 @@ def _measure(use: ModelUse, layers: int, with_grad: bool) -> tuple[float, ...]:
             return _train(model, use) if with_grad else (_no_grad_peak(model, use),)
 
 
+def as_used(model: torch.nn.Module, use: ModelUse) -> torch.nn.Module:
+    """`model` with the weights' dtype of `use` (as diffusers loads it: its float32 modules stay
+    float32) and, for a LoRA use, its adapters added."""
+    dtype = DTYPES[use.weights]
+    keep = tuple(getattr(type(model), "_keep_in_fp32_modules", None) or ())
+    for name, p in model.named_parameters():
+        if dtype != torch.float32 and not any(m in name.split(".") for m in keep):
+            p.data = p.data.to(dtype)
+    if use.lora_rank:
+        from distill.models.lora import LoraShape, add_adapter
+
+        add_adapter(model, "student", LoraShape(use.lora_rank, use.lora_alpha, use.lora_targets), seed=0)
+    return model
+
+
 def _fake_model(use: ModelUse, layers: int, mode: Any) -> torch.nn.Module:
     """The model of `use` at `layers` blocks with fake weights. Built on the meta device first (peft
     moves adapters with Module.to, which cannot swap fake parameters), then each weight replaced by a
@@ -141,16 +156,7 @@ def _fake_model(use: ModelUse, layers: int, mode: Any) -> torch.nn.Module:
     from distill.models.student import build_student
 
     with init_empty_weights(include_buffers=False):
-        model = build_student(use.with_depth(layers))
-        dtype = DTYPES[use.weights]
-        keep = tuple(getattr(type(model), "_keep_in_fp32_modules", None) or ())
-        for name, p in model.named_parameters():
-            if dtype != torch.float32 and not any(m in name.split(".") for m in keep):
-                p.data = p.data.to(dtype)
-        if use.lora_rank:
-            from distill.models.lora import LoraShape, add_adapter
-
-            add_adapter(model, "student", LoraShape(use.lora_rank, use.lora_alpha, use.lora_targets), seed=0)
+        model = as_used(build_student(use.with_depth(layers)), use)
     with mode:
         for module in model.modules():
             for name, p in module._parameters.items():
