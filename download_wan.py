@@ -68,6 +68,8 @@ class Preset:
 
 PRESETS = {
     "wan2.2-t2v-a14b": Preset("Wan-AI/Wan2.2-T2V-A14B-Diffusers", DIFFUSERS_COMPONENTS, "teacher"),
+    # The image-to-video teacher: the same components (no image encoder), 36 input channels.
+    "wan2.2-i2v-a14b": Preset("Wan-AI/Wan2.2-I2V-A14B-Diffusers", DIFFUSERS_COMPONENTS, "teacher"),
     # Only the transformer is used: it initialises the student. Its VAE and text encoder are
     # the same as the teacher's, which the teacher download already provides.
     "wan2.1-t2v-1.3b": Preset(

@@ -19,7 +19,6 @@ import download_wan
 from distill.models.teacher import inspect_teacher
 from distill.models.teacher_kind import I2V_A14B, read_teacher_kind
 from distill.models.tiny import original_layout_shape, write_tiny_original_teacher, write_tiny_teacher
-from distill.ops.errors import DistillError, Stage
 
 EXPERTS = {"transformer": "high_noise_model", "transformer_2": "low_noise_model"}
 
@@ -55,13 +54,14 @@ def test_the_tiny_i2v_original_teacher_says_i2v_in_the_release_layout(original: 
 def test_cli_converts_the_i2v_original_layout_to_the_diffusers_twin(
     original: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--convert refused this folder before reading it (a layout operation, refused by model)."""
+    """--convert refused this folder before reading it (a layout operation, refused by model); a
+    training run given it converts it once beside its cache, into the same diffusers twin."""
     dst = tmp_path / "Wan2.2-I2V-A14B-Diffusers"
-    # --convert checks the result's layout like --verify; training on it stays refused.
+    # --convert checks the result's layout like --verify.
     assert download_wan.main(["--convert", str(original), str(dst)]) == 0
     out = capsys.readouterr().out
     assert f"OK: {dst} is a complete Wan 2.2 diffusers teacher" in out
-    assert "Wan2.2-I2V-A14B (image to video); this version does not distil it yet" in out
+    assert "does not distil it yet" not in out
     index = json.loads((dst / "model_index.json").read_text())
     assert index["_class_name"] == "WanImageToVideoPipeline" and index["boundary_ratio"] == 0.9
     assert index["image_encoder"] == [None, None] and index["image_processor"] == [None, None]
@@ -70,13 +70,15 @@ def test_cli_converts_the_i2v_original_layout_to_the_diffusers_twin(
         config = json.loads((dst / component / "config.json").read_text())
         assert (config["in_channels"], config["out_channels"], config["image_dim"]) == (36, 16, None)
 
-    # Training on it stays refused, on either layout, and the original is not converted for it.
+    # A run reads either layout as the I2V teacher; the original is converted once, for the run.
     for teacher in (original, dst):
-        with pytest.raises(DistillError) as refused:
-            inspect_teacher(str(teacher), convert_dir=tmp_path / "cache")
-        assert refused.value.stage == Stage.TEACHER_LOAD
-        assert "holds the Wan2.2-I2V-A14B teacher" in refused.value.title
-    assert not (tmp_path / "cache").exists()
+        info = inspect_teacher(str(teacher), convert_dir=tmp_path / "cache")
+        assert info.kind == I2V_A14B and info.boundary_ratio == 0.9 and info.latent_channels == 16
+    converted = inspect_teacher(str(original), convert_dir=tmp_path / "cache").path
+    assert converted != original and read_teacher_kind(converted).kind == I2V_A14B
+    for component in EXPERTS:
+        got, want = _state(converted / component), _state(dst / component)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), component
 
     pipe = WanImageToVideoPipeline.from_pretrained(dst)
     assert pipe.image_encoder is None and pipe.transformer_2 is not None

@@ -146,10 +146,7 @@ def original_layout(folder: Path, config: str, model_type: str, in_dim: int) -> 
 
 @pytest.mark.parametrize(
     "which, model, evidence",
-    [
-        ("i2v", "Wan2.2-I2V-A14B", "model_index.json: _class_name = WanImageToVideoPipeline"),
-        ("ti2v", "Wan2.2-TI2V-5B", "model_index.json: expand_timesteps = true"),
-    ],
+    [("ti2v", "Wan2.2-TI2V-5B", "model_index.json: expand_timesteps = true")],
 )
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_training_on_another_models_teacher_ends_in_the_kind_banner_writing_nothing(
@@ -166,14 +163,14 @@ def test_training_on_another_models_teacher_ends_in_the_kind_banner_writing_noth
 
 def test_generate_verify_and_doctor_refuse_it_too(i2v_teacher, ti2v_teacher, tmp_path, capsys) -> None:
     output = tmp_path / "g.png"
-    argv = ["--teacher_only", "--teacher_path", str(i2v_teacher), "--prompt", "x", "--output", str(output)]
+    argv = ["--teacher_only", "--teacher_path", str(ti2v_teacher), "--prompt", "x", "--output", str(output)]
     assert generate.main(argv) == 5
-    assert "holds the Wan2.2-I2V-A14B teacher" in banner(capsys) and not output.exists()
-    # --verify called the 5B folder incomplete ("missing transformer_2/") and the I2V one complete.
-    for teacher, model in ((ti2v_teacher, "Wan2.2-TI2V-5B"), (i2v_teacher, "Wan2.2-I2V-A14B")):
-        assert download_wan.main(["--verify", str(teacher)]) == 5
-        err = banner(capsys)
-        assert f"holds the {model} teacher" in err and FIX in err and "missing transformer_2" not in err
+    assert "holds the Wan2.2-TI2V-5B teacher" in banner(capsys) and not output.exists()
+    # --verify called the 5B folder incomplete ("missing transformer_2/"); the I2V one is a teacher now.
+    assert download_wan.main(["--verify", str(ti2v_teacher)]) == 5
+    err = banner(capsys)
+    assert "holds the Wan2.2-TI2V-5B teacher" in err and FIX in err and "missing transformer_2" not in err
+    assert download_wan.main(["--verify", str(i2v_teacher)]) == 0
     # The doctor reports its checks as lines: the teacher's names the kind and the fix.
     assert doctor.main(["--teacher_path", str(ti2v_teacher), "--backend", "gloo"]) == 1
     lines = capsys.readouterr().out.splitlines()
@@ -182,13 +179,11 @@ def test_generate_verify_and_doctor_refuse_it_too(i2v_teacher, ti2v_teacher, tmp
 
 
 def test_an_original_layout_of_another_model_is_refused_before_any_conversion(tmp_path, capsys) -> None:
-    """The 5B's original folder was told it misses Wan2.1_VAE.pth and high_noise_model/; the I2V one
-    was converted (tens of GB read) before its model type was looked at. --convert, a layout
-    operation, takes the I2V one (tests/test_i2v_original_layout.py) and refuses the 5B's."""
+    """The 5B's original folder was told it misses Wan2.1_VAE.pth and high_noise_model/ (the I2V one
+    is a teacher: tests/test_i2v_original_layout.py)."""
     cache = tmp_path / "cache"
     for name, config, model_type, in_dim, model in (
         ("Wan2.2-TI2V-5B", "config.json", "ti2v", 48, "Wan2.2-TI2V-5B"),
-        ("Wan2.2-I2V-A14B", "high_noise_model/config.json", "i2v", 36, "Wan2.2-I2V-A14B"),
     ):
         teacher = original_layout(tmp_path / name, config, model_type, in_dim)
         assert train(train_args(teacher, tmp_path / "out", cache)) == 5
@@ -202,23 +197,23 @@ def test_an_original_layout_of_another_model_is_refused_before_any_conversion(tm
 
 
 def test_a_hub_id_of_another_model_is_refused_from_its_configs_before_the_weights_are_fetched(
-    i2v_teacher, tmp_path, monkeypatch, capsys
+    ti2v_teacher, tmp_path, monkeypatch, capsys
 ) -> None:
     """Only the configs are in the hub cache and the hub cannot be reached: without the configs-first
     look the run went for the whole repository (~120 GB on the real one)."""
     commit = "0" * 40
-    repo = tmp_path / "hub" / "models--Wan-AI--Wan2.2-I2V-A14B-Diffusers"
+    repo = tmp_path / "hub" / "models--Wan-AI--Wan2.2-TI2V-5B-Diffusers"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
-    shutil.copytree(i2v_teacher, repo / "snapshots" / commit, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(ti2v_teacher, repo / "snapshots" / commit, ignore=shutil.ignore_patterns("*.safetensors"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    args = train_args(Path("Wan-AI/Wan2.2-I2V-A14B-Diffusers"), tmp_path / "out", tmp_path / "cache")
+    args = train_args(Path("Wan-AI/Wan2.2-TI2V-5B-Diffusers"), tmp_path / "out", tmp_path / "cache")
     assert train(args) == 5
     err = banner(capsys)
-    assert "Wan-AI/Wan2.2-I2V-A14B-Diffusers holds the Wan2.2-I2V-A14B teacher" in err and FIX in err
+    assert "Wan-AI/Wan2.2-TI2V-5B-Diffusers holds the Wan2.2-TI2V-5B teacher" in err and FIX in err
     assert "could not fetch" not in err
 
 

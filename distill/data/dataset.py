@@ -1,5 +1,6 @@
-"""What training reads: one (clean latent, prompt embedding) pair per prompt from the two caches,
-zero-padded to the run's text length, in an order that a resumed run continues exactly."""
+"""What training reads: one (clean latent, prompt embedding) pair per sample from the two caches,
+zero-padded to the run's text length, and for image to video the sample's condition (the image's
+latent, from the image-latent cache), in an order that a resumed run continues exactly."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from distill.data.caches import TensorCache
+from distill.data.samples import TrainingSample
 from distill.models.flow_matching import frame_change
 
 
@@ -21,47 +23,54 @@ class DistillationDataset(torch.utils.data.Dataset):
 
     def __init__(
         self,
-        prompts: Sequence[str],
+        samples: Sequence[TrainingSample | str],
         latents: TensorCache,
         embeddings: TensorCache,
         max_length: int,
         noise_for: Callable[[str], torch.Tensor] | None = None,
         clean_latents: bool = True,
-        reference: Sequence[str] | None = None,
+        reference: Sequence[TrainingSample | str] | None = None,
+        conditions: TensorCache | None = None,
     ) -> None:
-        self.prompts = list(prompts)
+        self.samples = [as_sample(sample) for sample in samples]
         self.latents, self.embeddings = latents, embeddings
         self.max_length = max_length
         # With it, items also carry the initial noise the teacher sampled x0 from (its noise -> x0 pair).
         self.noise_for = noise_for
         self.clean_latents = clean_latents
-        # The prompts with a cached clean latent: every training prompt, or the reference set.
-        self.reference = list(prompts) if clean_latents or reference is None else list(reference)
+        # The samples with a cached clean latent: every training sample, or the reference set.
+        self.reference = (
+            self.samples if clean_latents or reference is None else [as_sample(s) for s in reference]
+        )
+        # The image-latent cache (image to video): each item's condition, by its image's content key.
+        self.conditions = conditions
 
     def __len__(self) -> int:
-        return len(self.prompts)
+        return len(self.samples)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        prompt = self.prompts[index]
+        sample = self.samples[index]
         item = {
-            "cond": pad_embedding(self.embeddings.get(prompt), self.max_length),
+            "cond": pad_embedding(self.embeddings.get(sample.prompt), self.max_length),
             "index": torch.tensor(index),
         }
         if self.clean_latents:
-            item["x0"] = self.latents.get(prompt)
+            item["x0"] = self.latents.get(sample.key)
         if self.noise_for is not None:
-            item["noise"] = self.noise_for(prompt)
+            item["noise"] = self.noise_for(sample.key)
+        if self.conditions is not None and sample.image_key is not None:
+            item["condition"] = self.conditions.get(sample.image_key)
         return item
 
     def latent_shape(self) -> tuple[int, ...]:
         """(C, F, H, W) of one clean latent, as the teacher sampled it."""
-        return tuple(self.latents.get(self.reference[0]).shape)
+        return tuple(self.latents.get(self.reference[0].key).shape)
 
     def clean_latent_statistics(self, limit: int = 256) -> tuple[float, float]:
         """Mean and std over every element of the first `limit` cached clean latents (the teacher's)."""
         total = squares = count = 0.0
-        for prompt in self.reference[:limit]:
-            x0 = self.latents.get(prompt).double()
+        for sample in self.reference[:limit]:
+            x0 = self.latents.get(sample.key).double()
             total, squares, count = (
                 total + x0.sum().item(),
                 squares + x0.pow(2).sum().item(),
@@ -73,10 +82,15 @@ class DistillationDataset(torch.utils.data.Dataset):
     def reference_motion(self, limit: int = 256) -> float | None:
         """The teacher's mean frame-to-frame change over the first `limit` cached clean latents
         (`flow_matching.frame_change`); None for pictures."""
-        changes = [frame_change(self.latents.get(prompt)[None]) for prompt in self.reference[:limit]]
+        changes = [frame_change(self.latents.get(sample.key)[None]) for sample in self.reference[:limit]]
         if changes[0] is None:
             return None
         return float(torch.cat(changes).double().mean())
+
+
+def as_sample(sample: TrainingSample | str) -> TrainingSample:
+    """A prompt alone is a text-to-video sample."""
+    return sample if isinstance(sample, TrainingSample) else TrainingSample(sample)
 
 
 def pad_embedding(embedding: torch.Tensor, max_length: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,9 @@ from tqdm.auto import tqdm
 
 from distill.config.settings import TrainConfig
 from distill.data.caches import TensorCache, fill_cache, prompt_key
+from distill.data.image_latents import ImageLatentCache, image_latent_cache
+from distill.data.images import ImagePrompt
+from distill.data.samples import TrainingSample
 from distill.models.flow_matching import NUM_TRAIN_TIMESTEPS
 from distill.models.teacher import TeacherInfo, free, load_text_encoder
 from distill.ops.errors import DistillError, Stage
@@ -145,7 +148,7 @@ def non_finite_teacher_error(
 
 def fill_latent_cache(
     cache: TensorCache,
-    prompts: Sequence[str],
+    samples: Sequence[TrainingSample | str],
     embeddings: TensorCache,
     negative: torch.Tensor,
     cfg: TrainConfig,
@@ -154,19 +157,24 @@ def fill_latent_cache(
     low: torch.nn.Module,
     device: torch.device,
     show_progress: bool = True,
-    lockstep_placeholder: str | None = None,
+    lockstep_placeholder: TrainingSample | str | None = None,
+    images: ImageInputs | None = None,
 ) -> int:
-    """Sample a clean latent x0 for each prompt the cache lacks, with the teacher's own sampler.
+    """Sample a clean latent x0 for each sample the cache lacks, with the teacher's own sampler.
 
-    Runs diffusers' WanPipeline with both experts, their guidance scales and the teacher's
-    scheduler, and keeps the final latent (before the VAE), one prompt at a time with a seed
-    derived from the prompt, so the cache does not depend on batch composition or rank.
+    Runs the stock pipeline of the teacher's kind (WanPipeline; WanImageToVideoPipeline, given each
+    sample's image) with both experts, their guidance scales and the teacher's scheduler, and keeps
+    the final latent (before the VAE), one sample at a time with a seed derived from the sample's
+    key, so the cache does not depend on batch composition or rank.
 
     With a sharded teacher every rank must run the same number of sampler calls (each forward
-    gathers weights from all ranks): pass `lockstep_placeholder`, a prompt that ranks with fewer
+    gathers weights from all ranks): pass `lockstep_placeholder`, a sample that ranks with fewer
     missing entries sample (and discard) until every rank has done as many calls as the busiest.
     """
-    todo: list[str | None] = list(cache.missing(prompts))
+    from distill.data.dataset import as_sample
+
+    wanted = {sample.key: sample for sample in map(as_sample, samples)}
+    todo: list[TrainingSample | None] = [wanted[key] for key in cache.missing(list(wanted))]
     if lockstep_placeholder is not None:
         from distill.ops.distributed import all_reduce_max
 
@@ -175,9 +183,10 @@ def fill_latent_cache(
     if not todo:
         return 0
     from distill.data.dataset import pad_embedding
-    from distill.models.pipelines import load_scheduler, teacher_pipeline
+    from distill.models.pipelines import load_scheduler, preprocessed_images, teacher_pipeline
 
-    pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path))
+    vae = images.vae if images is not None else None
+    pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path), info.kind, vae=vae)
     dtype = high.dtype  # the model's compute dtype (diffusers keeps some parameters in float32)
     negative_embeds = pad_embedding(negative, cfg.max_sequence_length)[None].to(device, dtype)
     logger.info(
@@ -189,8 +198,8 @@ def fill_latent_cache(
         cfg.num_frames,
     )
 
-    def sample(prompt: str) -> torch.Tensor:
-        cond = pad_embedding(embeddings.get(prompt), cfg.max_sequence_length)[None].to(device, dtype)
+    def sample(item: TrainingSample) -> torch.Tensor:
+        cond = pad_embedding(embeddings.get(item.prompt), cfg.max_sequence_length)[None].to(device, dtype)
         first_non_finite: list[float] = []
 
         def watch(_pipe: Any, _step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -200,7 +209,12 @@ def fill_latent_cache(
                 first_non_finite.append(float(timestep))
             return tensors
 
-        with torch.no_grad():
+        extra: dict[str, Any] = {}
+        if item.image is not None:
+            if images is None:
+                raise ValueError(f"{info.kind.model} samples need their images: pass images=")
+            extra["image"] = images.preprocess(item.image)
+        with torch.no_grad(), preprocessed_images(pipe, item.image is not None):
             latents = pipe(
                 prompt_embeds=cond,
                 negative_prompt_embeds=negative_embeds,
@@ -210,23 +224,89 @@ def fill_latent_cache(
                 num_inference_steps=cfg.teacher_sample_steps,
                 guidance_scale=cfg.guidance_scale,
                 guidance_scale_2=cfg.guidance_scale_2,
-                generator=torch.Generator("cpu").manual_seed(prompt_seed(cfg.seed, prompt)),
+                generator=torch.Generator("cpu").manual_seed(prompt_seed(cfg.seed, item.key)),
                 output_type="latent",
                 max_sequence_length=cfg.max_sequence_length,
                 callback_on_step_end=watch,
                 callback_on_step_end_tensor_inputs=["latents"],
+                **extra,
             ).frames
         if first_non_finite:
-            raise non_finite_teacher_error(info, cfg, prompt, first_non_finite[0])
+            raise non_finite_teacher_error(info, cfg, item.prompt, first_non_finite[0])
         return latents[0].float().cpu()
 
     built = 0
     with tqdm(total=len(todo), desc="teacher latents", disable=not show_progress) as bar:
-        for prompt in todo:
-            if prompt is None:  # a lockstep call: keeps the sharded experts' collectives in step
-                sample(lockstep_placeholder)
+        for item in todo:
+            if item is None:  # a lockstep call: keeps the sharded experts' collectives in step
+                assert lockstep_placeholder is not None
+                sample(as_sample(lockstep_placeholder))
             else:
-                cache.put(prompt, sample(prompt))
+                cache.put(item.key, sample(item))
                 built += 1
             bar.update(1)
     return built
+
+
+@dataclass
+class ImageInputs:
+    """What sampling image-to-video latents needs besides the experts: the teacher's VAE (the stock
+    pipeline encodes each image itself) and the run's image preprocessing."""
+
+    vae: Any
+    preprocess: Callable[[ImagePrompt], torch.Tensor]
+
+
+def open_condition_cache(cfg: TrainConfig, info: TeacherInfo) -> ImageLatentCache:
+    """The image-latent cache of this run's teacher VAE, size and frame count (refused if made with
+    others: distill.data.image_latents.image_latent_cache)."""
+    return image_latent_cache(
+        cfg.resolved_cache_dir,
+        info.fingerprint("vae"),
+        cfg.height,
+        cfg.width,
+        cfg.num_frames,
+        torch.float32,
+    )
+
+
+def image_inputs(cfg: TrainConfig, info: TeacherInfo, device: torch.device) -> ImageInputs:
+    """The teacher's VAE (float32, as the stock pipeline is run) and the run's image preprocessing."""
+    from distill.data.images import ImagePreprocessor
+    from distill.models.pipelines import load_vae
+
+    return ImageInputs(
+        load_vae(info.path, device),
+        ImagePreprocessor(cfg.height, cfg.width, info.vae_scale_spatial),
+    )
+
+
+def fill_condition_cache(
+    cache: ImageLatentCache,
+    samples: Sequence[TrainingSample],
+    cfg: TrainConfig,
+    inputs: ImageInputs,
+    show_progress: bool = True,
+) -> int:
+    """Encode the images of `samples` the cache lacks into their conditions (mask and image latent,
+    distill.models.conditioning.image_condition), each distinct image once. Returns how many."""
+    from distill.data.image_latents import fill_image_latent_cache
+    from distill.models.conditioning import image_condition
+
+    pairs = [sample.image for sample in samples if sample.image is not None]
+    missing = {
+        sample.image_key
+        for sample in samples
+        if sample.image_key and not cache.path(sample.image_key).is_file()
+    }
+    if not missing:
+        return 0
+    logger.info("encoding %d conditioning image(s) with the teacher's VAE", len(missing))
+    with tqdm(total=len(missing), desc="image latents", disable=not show_progress) as bar:
+
+        def encode(pixels: torch.Tensor) -> torch.Tensor:
+            bar.update(1)
+            return image_condition(inputs.vae, pixels, cfg.num_frames).channels[0].cpu()
+
+        fill_image_latent_cache(cache, pairs, inputs.preprocess, encode)
+    return len(missing)

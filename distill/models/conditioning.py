@@ -47,6 +47,57 @@ class Condition:
     def to(self, *args: Any, **kwargs: Any) -> Condition:
         return self if self.channels is None else Condition(self.channels.to(*args, **kwargs))
 
+    def repeat(self, times: int) -> Condition:
+        """The samples `times` over, in order (a forward that stacks the batch with itself)."""
+        if self.channels is None:
+            return self
+        return Condition(self.channels.repeat(times, *([1] * (self.channels.dim() - 1))))
+
+
+def batch_condition(batch: dict[str, torch.Tensor], device: torch.device) -> Condition | None:
+    """The condition of a training micro-batch (its "condition" entry, on `device`), or None."""
+    channels = batch.get("condition")
+    return None if channels is None else Condition(channels.to(device, non_blocking=True))
+
+
+class Conditioned:
+    """A Wan transformer (or a routed pair of experts) called as methods and samplers call one, with
+    each forward's input built by `model_input` / `model_timestep` for the teacher's kind.
+
+    `condition` holds one row per sample of every call (`Condition.repeat` for a doubled batch).
+    Made per batch by `conditioned`; holds no state of its own.
+    """
+
+    def __init__(self, model: Any, kind: TeacherKind, condition: Condition | None) -> None:
+        self.model, self.kind, self.condition = model, kind, condition
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        return_dict: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        return self.model(
+            hidden_states=model_input(self.kind, hidden_states, self.condition),
+            timestep=model_timestep(self.kind, timestep, hidden_states),
+            encoder_hidden_states=encoder_hidden_states,
+            return_dict=return_dict,
+            **kwargs,
+        )
+
+    def __getattr__(self, name: str) -> Any:  # dtype, config, parameters() ... of the model
+        return getattr(self.model, name)
+
+
+def conditioned(model: Any, kind: TeacherKind, condition: Condition | None) -> Any:
+    """`model` with `condition` entering each of its forwards; a kind that adds nothing (text to
+    video) gets the model itself, so its forwards are exactly what they were."""
+    if condition_channels(kind) == 0 and (condition is None or condition.channels is None):
+        return model
+    return Conditioned(model, kind, condition)
+
 
 def condition_channels(kind: TeacherKind) -> int:
     """How many input channels the condition of `kind` adds to the noisy latents."""

@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from distill.models.conditioning import Condition, conditioned
 from distill.models.flow_matching import NUM_TRAIN_TIMESTEPS, high_noise_mask
+from distill.models.teacher_kind import T2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
 
 
@@ -124,13 +126,16 @@ def sample_few_step(
     latent_shape: tuple[int, ...],
     seed: int,
     noise: torch.Tensor | None = None,
+    condition: Condition | None = None,
+    kind: TeacherKind = T2V_A14B,
 ) -> torch.Tensor:
     """A K-step sample (B, C, F, H, W) of the student for `prompt_embeds` (B, L, D), float32.
 
     Equals stock WanPipeline(transformer=student, scheduler=<the exported one>) called with
     num_inference_steps=steps, guidance_scale=1.0 and no generator after torch.manual_seed(seed).
     `noise` (B, C, F, H, W) replaces the starting noise (e.g. the teacher's, drawn on the CPU, to
-    compare both from the same start); the re-noising stream is the same either way.
+    compare both from the same start); the re-noising stream is the same either way. `condition`
+    (one row per prompt) is what the teacher's `kind` adds to every forward (I2V: the image).
     """
     device = next(student.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
@@ -143,7 +148,8 @@ def sample_few_step(
     x = draw((cond.shape[0], *latent_shape))  # drawn even when replaced: the stream stays aligned
     if noise is not None:
         x = noise.to(device, torch.float32).reshape(x.shape)
-    return rollout(student, x, cond, timesteps, sigmas, draw).float()
+    model = conditioned(student, kind, condition.to(device) if condition is not None else None)
+    return rollout(model, x, cond, timesteps, sigmas, draw).float()
 
 
 def load_few_step_scheduler(student_dir: str | Path) -> Any | None:

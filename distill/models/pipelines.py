@@ -320,7 +320,7 @@ def sample_latents(
     extra: dict[str, Any] = {}
     if image is not None:
         extra["image"] = image.reshape(1, *image.shape[-3:]).float()
-    with _preprocessed_images(pipe, image is not None):
+    with preprocessed_images(pipe, image is not None):
         latents = pipe(
             prompt_embeds=cond,
             negative_prompt_embeds=uncond,
@@ -339,7 +339,7 @@ def sample_latents(
 
 
 @contextlib.contextmanager
-def _preprocessed_images(pipe: Any, active: bool) -> Iterator[None]:
+def preprocessed_images(pipe: Any, active: bool) -> Iterator[None]:
     """Let `pipe` take an image that is already preprocessed, as it is.
 
     The stock video processor expects [0, 1] and maps it to [-1, 1] unless the image has a negative

@@ -146,7 +146,8 @@ class TeacherInfo:
 
     @property
     def latent_channels(self) -> int:
-        return int(self.expert_config["in_channels"])
+        # The noisy latents only: an image-to-video input adds its condition channels to them.
+        return int(self.expert_config.get("out_channels") or self.expert_config["in_channels"])
 
     @property
     def text_dim(self) -> int:

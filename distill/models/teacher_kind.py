@@ -92,7 +92,7 @@ I2V_A14B = TeacherKind(
     boundary_ratio=0.9,
     original_model_type="i2v",
     inputs="16 noisy latent channels, a 4-channel first-frame mask and the image's 16-channel latent",
-    distillable=False,
+    distillable=True,
 )
 TI2V_5B = TeacherKind(
     name="ti2v-5b",

@@ -175,8 +175,10 @@ def _inputs(model: torch.nn.Module, use: ModelUse) -> dict[str, torch.Tensor]:
     """What the methods pass: float32 latents and text (a 16-bit model gets them cast, as the teacher
     and the LoRA experts cast them), integer timesteps."""
     dtype = DTYPES[use.weights]
-    text_dim = int(json.loads(use.config)["text_dim"])
-    x = torch.randn(use.batch, *use.latent_shape)
+    config = json.loads(use.config)
+    text_dim = int(config["text_dim"])
+    # The model's input: the noisy latents, and for image to video the condition channels after them.
+    x = torch.randn(use.batch, int(config["in_channels"]), *use.latent_shape[1:])
     text = torch.randn(use.batch, use.text_len, text_dim)
     return {
         "hidden_states": x.to(dtype),
@@ -209,9 +211,9 @@ def _train(model: torch.nn.Module, use: ModelUse) -> tuple[float, float]:
         p.grad = torch.zeros_like(p) if use.grads_held else None
     with LiveTensorMemory() as memory:
         inputs = _inputs(model, use)
-        target = torch.randn(use.batch, *use.latent_shape)
         with _autocast(use):
             prediction = model(**inputs, return_dict=False)[0]
+        target = torch.randn(prediction.shape)
         held = memory.live
         per_sample_mse(prediction, target).mean().backward()
     return float(held), float(memory.peak)

@@ -69,12 +69,14 @@ def model_flops(
     `trained`: "none" (a frozen teacher), "all" (a student or critic trained whole) or "lora" (frozen
     base, adapters of `lora_rank` on `lora_targets` trained).
     """
-    channels, frames, height, width_px = latent_shape
+    _, frames, height, width_px = latent_shape
+    # The patch embedding reads the model's whole input (image to video: the condition channels too).
+    channels = int(config.get("in_channels") or latent_shape[0])
     patch = tuple(config["patch_size"])
     tokens = (frames // patch[0]) * (height // patch[1]) * (width_px // patch[2])
     width, ffn = _width(config), int(config["ffn_dim"])
     text_dim, freq_dim = int(config["text_dim"]), int(config["freq_dim"])
-    out_channels = int(config.get("out_channels") or channels)
+    out_channels = int(config.get("out_channels") or latent_shape[0])
     whole, lora = trained == "all", trained == "lora"
     carries = trained != "none"  # gradient flows back through the blocks
     products: list[Product] = []

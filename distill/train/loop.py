@@ -57,6 +57,7 @@ class RunResult:
     last_loss: float | None = None
     embeddings_built: int = 0
     latents_built: int = 0
+    conditions_built: int = 0  # image latents encoded (image to video)
     resumed_from: Path | None = None
     stopped_by_signal: str | None = None
     bad_steps: int = 0

@@ -22,8 +22,18 @@ from distill.config.cli import save_resolved_config
 from distill.config.settings import TrainConfig
 from distill.data.caches import TensorCache
 from distill.data.dataset import DistillationDataset
-from distill.data.prepare import embedding_cache, fill_embedding_cache, fill_latent_cache, latent_cache
-from distill.data.prompts import read_prompts, reference_prompts
+from distill.data.prepare import (
+    ImageInputs,
+    embedding_cache,
+    fill_condition_cache,
+    fill_embedding_cache,
+    fill_latent_cache,
+    image_inputs,
+    latent_cache,
+    open_condition_cache,
+)
+from distill.data.prompts import reference_prompts
+from distill.data.samples import read_training_samples, takes_images
 from distill.models.guided_teacher import GuidedTeacher
 from distill.models.layout import require_weights
 from distill.models.lora import CRITIC_ADAPTER, STUDENT_ADAPTER, ExpertCopies, LoraExperts, LoraShape
@@ -32,7 +42,6 @@ from distill.models.original.configs import check_original_exportable
 from distill.models.student import build_student, init_student_from_teacher, load_pretrained_student
 from distill.models.student_config import load_student_config
 from distill.models.teacher import (
-    TeacherInfo,
     inspect_teacher,
     load_expert,
     place_expert,
@@ -51,59 +60,14 @@ from distill.train.identity import check_identity, run_identity
 from distill.train.loop import RunResult, TrainingLoop
 from distill.train.methods import method_class
 from distill.train.plan import choose_placement, run_plan
-
-
-def available_host_memory() -> int:
-    """Free host RAM in bytes (what a new allocation can use without swapping)."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 1 << 62  # unknown: do not stagger
-
+from distill.train.run_checks import (
+    available_host_memory,
+    check_image_run,
+    check_lora_ranks,
+    check_resolution,
+)
 
 logger = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checks before any heavy work
-# ---------------------------------------------------------------------------------------------
-
-
-def check_lora_ranks(cfg: TrainConfig, expert_config: dict[str, Any]) -> None:
-    """Refuse an adapter rank above what the smallest targeted layer of the experts can hold."""
-    width = expert_config["num_attention_heads"] * expert_config["attention_head_dim"]
-    limit = min(width, expert_config["ffn_dim"])
-    ranks = {"student_lora_rank": cfg.student_lora_rank}
-    if cfg.method == "dmd" and cfg.critic_adapter_rank:
-        ranks["critic_lora_rank"] = cfg.critic_adapter_rank
-    for flag, rank in ranks.items():
-        if rank > limit:
-            raise DistillError(
-                f"--{flag} {rank} is larger than the teacher's layers allow ({limit})",
-                f"The experts are {width} wide (ffn {expert_config['ffn_dim']}): a rank above the smaller "
-                "side of a layer adds parameters without adding anything a full update could not do.",
-                fixes=[f"use --{flag} {min(64, limit)} (published Wan LoRAs use 64 or less)"],
-                stage=Stage.CONFIG,
-            )
-
-
-def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[str, Any]) -> None:
-    """Refuse a training size the teacher or the student cannot denoise (see check_sample_size)."""
-    from distill.models.pipelines import SizeLimits, check_sample_size
-
-    check_sample_size(
-        cfg.height,
-        cfg.width,
-        cfg.num_frames,
-        info.vae_scale_spatial,
-        info.vae_scale_temporal,
-        [
-            SizeLimits.of("teacher", info.expert_config, info.path / "transformer" / "config.json"),
-            SizeLimits.of(
-                "student", student_config, cfg.student_config or info.path / "transformer" / "config.json"
-            ),
-        ],
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,12 +119,15 @@ class Distiller:
                 Stage.CONFIG,
             )
         check_resolution(cfg, self.info, self.student_config)
-        self.prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]
-        # The prompts the teacher samples a clean latent for before step 1: every training prompt,
+        check_image_run(cfg, self.info)
+        # A prompt per sample, with its image for an image-to-video teacher (read as its kind needs).
+        self.samples = read_training_samples(cfg.data_path, self.info.kind, cfg.max_prompts)
+        self.prompts = [sample.prompt for sample in self.samples]
+        # The samples the teacher samples a clean latent for before step 1: every training sample,
         # unless the method's updates never read them (data-free dmd: a reference set for metrics).
         self.clean_latents = method_class(cfg.method).needs_clean_latents(cfg)
-        self.latent_prompts = (
-            self.prompts if self.clean_latents else reference_prompts(self.prompts, cfg.reference_prompts)
+        self.latent_samples = (
+            self.samples if self.clean_latents else reference_prompts(self.samples, cfg.reference_prompts)
         )
         self.teacher_dtype = resolve_dtype(cfg.teacher_dtype, self.device)
         self.shift = cfg.flow_shift if cfg.flow_shift is not None else self.info.flow_shift
@@ -202,8 +169,8 @@ class Distiller:
         dist_utils.barrier()
         return cache if cache is not None else make_cache()
 
-    def _require_complete(self, cache: TensorCache, prompts: list[str]) -> None:
-        missing = cache.missing(prompts)
+    def _require_complete(self, cache: TensorCache, keys: list[str]) -> None:
+        missing = cache.missing(keys)
         if missing:
             raise DistillError(
                 f"the {cache.what} cache {cache.folder} lacks {len(missing)} entr(y/ies) after every rank built its share",
@@ -218,7 +185,7 @@ class Distiller:
 
     def prepare_caches(
         self, result: RunResult
-    ) -> tuple[TensorCache, TensorCache, torch.Tensor, GuidedTeacher]:
+    ) -> tuple[TensorCache, TensorCache, torch.Tensor, GuidedTeacher, TensorCache | None]:
         cfg, rank, world = self.cfg, self.ctx.rank, self.ctx.world_size
         Progress.enter(Stage.DATA)
         everything = list(dict.fromkeys([*self.prompts, cfg.negative_prompt, *self.monitor.prompts]))
@@ -235,6 +202,7 @@ class Distiller:
         dist_utils.barrier()
         self._require_complete(embeddings, everything)
         negative = embeddings.get(cfg.negative_prompt)
+        conditions, images = self.prepare_conditions(result)
 
         Progress.enter(Stage.TEACHER_LOAD)
         high, low = self.load_teacher_experts()
@@ -244,7 +212,7 @@ class Distiller:
                 "dmd with simulate inputs and no regression term never reads the teacher's clean latents: "
                 "sampling them for %d reference prompt(s) only (--reference_prompts: latent drift and "
                 "motion metrics), not for all %d training prompts",
-                len(self.latent_prompts),
+                len(self.latent_samples),
                 len(self.prompts),
             )
         latents = self._open_shared(lambda: latent_cache(cfg, self.info, self.teacher_dtype, embeddings))
@@ -252,7 +220,7 @@ class Distiller:
             self.lora.teacher_mode()  # the cached latents are the teacher's own samples
         result.latents_built = fill_latent_cache(
             latents,
-            self.latent_prompts[rank::world],
+            self.latent_samples[rank::world],
             embeddings,
             negative,
             cfg,
@@ -261,10 +229,12 @@ class Distiller:
             low,
             self.device,
             self.is_main,
-            lockstep_placeholder=self.prompts[0] if self.placement == "shard" else None,
+            lockstep_placeholder=self.samples[0] if self.placement == "shard" else None,
+            images=images,
         )
+        del images  # the VAE: only the caches needed it
         dist_utils.barrier()
-        self._require_complete(latents, self.latent_prompts)
+        self._require_complete(latents, [sample.key for sample in self.latent_samples])
         if self.lora is not None:  # the teacher is the same experts with their adapters off
             high, low = self.lora.teacher_views()
         teacher = GuidedTeacher(
@@ -278,7 +248,23 @@ class Distiller:
             lockstep=self.placement == "shard",
             kind=self.info.kind,
         )
-        return embeddings, latents, negative, teacher
+        return embeddings, latents, negative, teacher, conditions
+
+    def prepare_conditions(self, result: RunResult) -> tuple[TensorCache | None, ImageInputs | None]:
+        """An image-to-video run: every sample's image encoded once into the image-latent cache (each
+        rank its share); returns the cache and the VAE and preprocessing that the teacher's sampling of
+        the clean latents needs too. (None, None) for a text-to-video teacher."""
+        if not takes_images(self.info.kind):
+            return None, None
+        rank, world = self.ctx.rank, self.ctx.world_size
+        conditions = self._open_shared(lambda: open_condition_cache(self.cfg, self.info))
+        images = image_inputs(self.cfg, self.info, self.device)
+        result.conditions_built = fill_condition_cache(
+            conditions, self.samples[rank::world], self.cfg, images, show_progress=self.is_main
+        )
+        dist_utils.barrier()
+        self._require_complete(conditions, sorted({s.image_key for s in self.samples if s.image_key}))
+        return conditions, images
 
     def teacher_load_waves(self) -> int:
         """How many groups of this node's ranks load the experts one after the other.
@@ -413,7 +399,8 @@ class Distiller:
         """What a checkpoint must agree with to be resumed by this run (computed once: every save
         stores it, and the teacher fingerprint reads the weight files)."""
         if self._identity is None:
-            self._identity = run_identity(self.cfg, self.info, self.student_config, self.prompts, self.shift)
+            keys = [sample.key for sample in self.samples]
+            self._identity = run_identity(self.cfg, self.info, self.student_config, keys, self.shift)
         return self._identity
 
     def check_checkpoint(self, path: Path, meta: dict[str, Any]) -> None:
@@ -460,15 +447,16 @@ class Distiller:
         if self.is_main:
             logger.info("plan:\n%s", self.plan())
         result = RunResult(output_dir=out)
-        embeddings, latents, negative, teacher = self.prepare_caches(result)
+        embeddings, latents, negative, teacher, conditions = self.prepare_caches(result)
         dataset = DistillationDataset(
-            self.prompts,
+            self.samples,
             latents,
             embeddings,
             cfg.max_sequence_length,
             self.teacher_noise_for_regression(),
             clean_latents=self.clean_latents,
-            reference=self.latent_prompts,
+            reference=self.latent_samples,
+            conditions=conditions,
         )
         student = self.make_student()
         extra = {name: self.make_model(name) for name in self.model_specs if name != "student"}

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from distill.config.settings import TrainConfig
+from distill.models.conditioning import Condition, batch_condition, conditioned
 from distill.models.few_step import check_grid, few_step_scheduler, rollout, student_grid
 from distill.models.flow_matching import (
     add_noise,
@@ -64,14 +65,15 @@ def score_estimates(
     critic: torch.nn.Module,
     experts_needed: tuple[bool, bool] | None = None,
     autocast: Callable[[], Any] | None = None,
+    condition: Condition | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(real, fake) clean estimates of x_t at `sigmas` (CPU, per sample, float64 for exact integer
     timesteps): the guided teacher routes each sample to the expert owning its t' = floor(1000 sigma),
-    the critic answers conditionally without guidance."""
+    the critic answers conditionally without guidance; both see the same `condition`."""
     timesteps = sigmas_to_timesteps(sigmas)
-    real_v = teacher.velocity(x_t, timesteps, cond, uncond, experts_needed)
+    real_v = teacher.velocity(x_t, timesteps, cond, uncond, experts_needed, condition)
     with autocast() if autocast is not None else contextlib.nullcontext():
-        fake_v = critic(
+        fake_v = conditioned(critic, teacher.kind, condition)(
             hidden_states=x_t,
             timestep=timesteps.to(x_t.device),
             encoder_hidden_states=cond,
@@ -241,11 +243,22 @@ class DmdMethod(Method):
         n = cond.shape[0]
         shape = tuple(batch["x0"].shape) if "x0" in batch else (n, *env.latent_shape)
         k = self.step_choices[rng.integer(len(self.step_choices))]
+        # The sample's condition (I2V: its image) enters every forward of the rollout and the update.
+        condition = batch_condition(batch, device)
+        kind = env.teacher.kind
         if self.cfg.dmd_inputs == "simulate":
             # Backward simulation: the student's own rollout from noise, without gradient, to step k.
             x = rng.noise(shape)
             with torch.no_grad(), env.autocast():
-                x = rollout(self.models["student"], x, cond, self.timesteps, self.sigmas, rng.noise, stop=k)
+                x = rollout(
+                    conditioned(self.models["student"], kind, condition),
+                    x,
+                    cond,
+                    self.timesteps,
+                    self.sigmas,
+                    rng.noise,
+                    stop=k,
+                )
         else:  # data: the teacher's clean latents noised to the student's k-th sigma
             x0 = batch["x0"].to(device, torch.float32, non_blocking=True)
             x = add_noise(x0, rng.noise(shape), self.sigmas[k].expand(n))
@@ -255,8 +268,9 @@ class DmdMethod(Method):
             inputs = torch.cat([x, teacher_noise])
             timesteps = torch.cat([timesteps, self.timesteps[0].expand(n)])
             text = torch.cat([cond, cond])
+            condition = condition.repeat(2) if condition is not None else None
         with env.autocast():
-            velocity = model(
+            velocity = conditioned(model, kind, condition)(
                 hidden_states=inputs,
                 timestep=timesteps.to(device),
                 encoder_hidden_states=text,
@@ -289,8 +303,11 @@ class DmdMethod(Method):
         noise = rng.noise(tuple(x0_hat.shape))
         timesteps = sigmas_to_timesteps(sigmas).to(env.device)
         x_t = add_noise(x0_hat, noise, sigmas)
+        critic = conditioned(
+            self.train_models["critic"], env.teacher.kind, batch_condition(batch, env.device)
+        )
         with env.autocast():
-            prediction = self.train_models["critic"](
+            prediction = critic(
                 hidden_states=x_t, timestep=timesteps, encoder_hidden_states=cond, return_dict=False
             )[0]
         dims = tuple(range(1, x0_hat.dim()))
@@ -342,7 +359,15 @@ class DmdMethod(Method):
         noise = rng.noise(tuple(x0_hat.shape))
         x_t = add_noise(x0_hat.detach(), noise, sigmas)
         real, fake = score_estimates(
-            x_t, sigmas, cond, env.negative, env.teacher, self.models["critic"], experts_needed, env.autocast
+            x_t,
+            sigmas,
+            cond,
+            env.negative,
+            env.teacher,
+            self.models["critic"],
+            experts_needed,
+            env.autocast,
+            batch_condition(batch, env.device),
         )
         losses = dmd_loss(x0_hat, dmd_gradient(x0_hat, real, fake))
         extras = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from distill.models.conditioning import batch_condition, conditioned
 from distill.models.flow_matching import (
     add_noise,
     high_noise_mask,
@@ -41,9 +42,12 @@ class VelocityMethod(Method):
         # x_t from the float32 rounding of the float64 sigmas, the timestep floor(1000 sigma) as int64:
         # what WanPipeline's scheduler feeds the teacher at inference.
         x_t = add_noise(x0, noise.to(x0.dtype), sigmas.to(device, torch.float32, non_blocking=True))
-        target = env.teacher.velocity(x_t, timesteps, cond, env.negative, experts_needed)
+        # What the teacher's kind adds to each input (I2V: the image), the same for both models.
+        condition = batch_condition(batch, device)
+        target = env.teacher.velocity(x_t, timesteps, cond, env.negative, experts_needed, condition)
+        student = conditioned(self.train_models["student"], env.teacher.kind, condition)
         with env.autocast():
-            prediction = self.train_models["student"](
+            prediction = student(
                 hidden_states=x_t, timestep=timesteps_device, encoder_hidden_states=cond, return_dict=False
             )[0]
         # On clips: the clean estimates both imply at this x_t, whose frame-to-frame change is the motion.
