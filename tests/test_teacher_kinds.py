@@ -22,7 +22,7 @@ from distill.models.teacher_kind import I2V_A14B, T2V_A14B, TI2V_5B, read_teache
 from distill.models.tiny import write_tiny_teacher
 from train_distillation import main as train
 
-KIND_TITLE = "this version distils Wan2.2-T2V-A14B (text to video) only"
+KIND_TITLE = "this version distils Wan2.2-T2V-A14B (text to video) and Wan2.2-I2V-A14B (image to video) only"
 FIX = "point --teacher_path at Wan-AI/Wan2.2-T2V-A14B-Diffusers"
 
 

@@ -6,9 +6,10 @@ Wan 2.2 has three models, and every download says which one it is:
 - original Wan layout: the expert's config.json (`model_type`, `in_dim`), in high_noise_model/ for
   the two-expert models and at the top of the folder for TI2V-5B.
 The kind is never taken from a flag: a flag can name the wrong model, the files cannot. Each kind
-is plain data that loading, conditioning and the pipelines read; only text to video is distilled
-by this version, so `refuse_undistillable` turns any other kind into the teacher-load banner
-before anything else is checked (a 5B folder is not "missing transformer_2/", it is another model).
+is plain data that loading, conditioning and the pipelines read; this version distils the two
+A14B models (text to video, image to video), so `refuse_undistillable` turns the 5B into the
+teacher-load banner before anything else is checked (a 5B folder is not "missing transformer_2/",
+it is another model).
 """
 
 from __future__ import annotations
@@ -144,20 +145,23 @@ def refuse_undistillable(folder: str | Path, shown: str | None = None) -> KindRe
 
 def undistillable_error(teacher: str, reading: KindReading) -> DistillError:
     kind = reading.kind
+    distilled = [k for k in KINDS if k.distillable]
+    names = " and ".join(f"{k.model} ({k.task})" for k in distilled)
     return DistillError(
-        f"{teacher} holds the {kind.model} teacher ({kind.task}): this version distils {T2V_A14B.model} "
-        f"({T2V_A14B.task}) only",
+        f"{teacher} holds the {kind.model} teacher ({kind.task}): this version distils {names} only",
         "Read from its files:\n"
         + "\n".join(f"- {line}" for line in reading.evidence)
         + f"\n{kind.model}: {'two experts' if kind.experts == 2 else 'one transformer'} taking "
         f"{kind.in_channels} input channels "
         f"({kind.inputs}); stock pipeline {' or '.join(kind.pipeline_classes)}.\n"
-        f"This version's teacher, students and samplers are {T2V_A14B.task}: "
-        f"{T2V_A14B.in_channels} input channels, no image.",
+        "This version's teachers, students and samplers: "
+        + "; ".join(f"{k.model}, {k.in_channels} input channels ({k.inputs})" for k in distilled)
+        + ".",
         causes=[f"--teacher_path points at {kind.repo_id} (or a copy of it, in either layout)"],
         fixes=[
-            f"point --teacher_path at {T2V_A14B.repo_id}: the hub id, or the folder `python download_wan.py` "
-            f"downloads it to (models/{T2V_A14B.repo_id.split('/')[1]})",
+            f"point --teacher_path at {k.repo_id}: the hub id, or the folder `python download_wan.py "
+            f"--preset {k.model.lower()}` downloads it to (models/{k.repo_id.split('/')[1]})"
+            for k in distilled
         ],
         stage=Stage.TEACHER_LOAD,
     )

@@ -465,7 +465,15 @@ class Distiller:
         if self.is_main:  # only once the run is known to go ahead: a refused resume keeps the old one
             save_resolved_config(cfg, out / "run_config.json")
         loop.train(result)
-        if result.history and result.last_loss is None and result.stopped_by_signal is None:
+        # No update of any model made (not merely none of the student: a resumed dmd run's last steps
+        # may all be critic updates, whose rows log critic_loss only).
+        learned = any(
+            value is not None
+            for row in result.history
+            for key, value in row.items()
+            if key == "loss" or key.endswith("_loss")
+        )
+        if result.history and not learned and result.stopped_by_signal is None:
             raise DistillError(
                 f"every step of this run was skipped: {result.bad_steps} step(s) with a non-finite loss or gradient",
                 "Nothing was learned, so nothing is exported; the checkpoints written before are kept.",
