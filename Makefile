@@ -84,13 +84,13 @@ toy-stage1-clips: $(STAMP)
 	$(PY) -m distill.toy.stage_one --retrain --clips
 
 # The suite on both cores (pytest-xdist; the failure scenarios are rehearsed under load on purpose,
-# see distill/stress.py), then the error-handling scenarios as users run them, as a plain command.
-# Whole modules per worker, in the suite's own order (the `long` ones first: tests/conftest.py).
+# see distill/stress.py), the error-handling scenarios of test_error_handling.py among them (it also
+# runs alone: python test_error_handling.py). Whole modules per worker, in the suite's own order
+# (the `long` ones first: tests/conftest.py).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
-	$(PY) test_error_handling.py
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests test_error_handling.py
 
 # On a CUDA machine, what CI cannot run: the gpu-marked tests, the two-rank sharded LoRA run on NCCL
 # (two GPUs or more), distill.bench at the 1.3B preset eager and compiled, and the teacher streamed from

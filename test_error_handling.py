@@ -26,6 +26,9 @@ from pathlib import Path
 
 import pytest
 
+# A couple of minutes in all: under `make test` it starts first, beside the other long modules.
+pytestmark = pytest.mark.long
+
 REPO = Path(__file__).resolve().parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TIMEOUT = 180

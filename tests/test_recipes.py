@@ -21,11 +21,15 @@ from conftest import A14B_EXPERT, REPO
 from distill.config.cli import parse_config
 from distill.models.student_config import load_student_config
 from distill.models.teacher import TeacherInfo
+from distill.models.teacher_kind import I2V_A14B
 from distill.train.cost import STALL_MARGIN, RunCost, RunCounts, hours_text, run_cost
 from distill.train.plan import GIB, HEADROOM, REFERENCE_GPU_BYTES, estimate, memory_plan, teacher_bytes
 
 RECIPES = sorted((REPO / "config" / "recipes").glob("*.yaml"))
 A14B = TeacherInfo(Path("models/Wan2.2-T2V-A14B-Diffusers"), 0.875, 3.0, A14B_EXPERT, 8, 4)
+# The image-to-video teacher: the same experts with 36 input channels, its own boundary and shift.
+I2V_EXPERT = {**A14B_EXPERT, "in_channels": 36, "out_channels": 16}
+I2V = TeacherInfo(Path("models/Wan2.2-I2V-A14B-Diffusers"), 0.9, 5.0, I2V_EXPERT, 8, 4, kind=I2V_A14B)
 MEMORY = re.compile(
     r"Memory per GPU \(--dry_run plan, (\d+) ranks?, teacher (sharded|on the CPU|on the GPU)\): ([\d.]+) GiB"
 )
@@ -58,20 +62,22 @@ def planned(recipe: Path) -> tuple[int, object, float, RunCost, str]:
     recipe's command, as its --dry_run prints them."""
     world, argv = command(recipe)
     cfg = parse_config([*argv[:1], str(REPO / argv[1]), *argv[2:]])
+    info = I2V if "I2V" in cfg.teacher_path else A14B
+    expert = info.expert_config
     if cfg.student_lora_rank:  # the student (and the critic) are the teacher's experts with adapters
-        student = critic = A14B_EXPERT
+        student = critic = expert
     else:
-        student = load_student_config(REPO / cfg.student_config, A14B_EXPERT)
+        student = load_student_config(REPO / cfg.student_config, expert)
         critic = None
         if cfg.method == "dmd":
-            critic = load_student_config(REPO / (cfg.critic_config or cfg.student_config), A14B_EXPERT)
+            critic = load_student_config(REPO / (cfg.critic_config or cfg.student_config), expert)
             assert cfg.student_init != "random"
     cpu, node = torch.device("cpu"), min(world, 8)
-    need = estimate(cfg, A14B, student, cpu, cfg.teacher_placement, world, critic, node).total
+    need = estimate(cfg, info, student, cpu, cfg.teacher_placement, world, critic, node).total
     counts = RunCounts.from_config(cfg)
-    experts = teacher_bytes(A14B, torch.bfloat16)[0]
-    cost = run_cost(cfg, A14B, student, critic, counts, world, cfg.teacher_placement, experts)
-    plan = memory_plan(cfg, A14B, student, cpu, world, node, critic_config=critic)
+    experts = teacher_bytes(info, torch.bfloat16)[0]
+    cost = run_cost(cfg, info, student, critic, counts, world, cfg.teacher_placement, experts)
+    plan = memory_plan(cfg, info, student, cpu, world, node, critic_config=critic)
     return world, cfg, need, cost, plan
 
 

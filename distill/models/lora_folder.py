@@ -10,7 +10,8 @@ are applied: a missing or cut-short file, a key that is no Wan transformer LoRA 
 adapter_config.json whose rank, alpha or targets disagree with the tensors, and, given the teacher,
 adapters whose shapes or blocks are another teacher's (naming the teacher they were trained on when
 the run's run_settings.json says). `LoraFolder.states()` then loads the weights in diffusers' key
-names, whichever of the two formats the folder holds.
+names, whichever of the two formats the folder holds; `LoraFolder.recorded_kind` is what the folder
+says of the Wan 2.2 model its adapters were trained on (distill.sample.lora_fit judges it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from distill.models.lora_files import FILES, LORA_SUFFIXES, WAN_FORMAT_DIR, wan_
 from distill.ops.errors import DistillError, Stage
 
 CONFIG_FILE = "adapter_config.json"
+# The key that records which Wan 2.2 model the adapters were trained on (models/teacher_kind.py's
+# short name, e.g. "i2v-a14b"), in adapter_config.json and in the safetensors files' metadata.
+KIND_KEY = "teacher_kind"
 EXPERT_FOLDERS = {"high": "transformer", "low": "transformer_2"}
 # A module of one block, as peft names it (attn1 = self-attention, attn2 = cross-attention), and the
 # --student_lora_targets name that selects it.
@@ -52,6 +56,10 @@ class LoraFolder:
     shape: LoraShape
     shapes: dict[str, dict[str, tuple[int, ...]]]
     keys: dict[str, dict[str, str]] = field(repr=False)  # expert -> diffusers key -> key in the file
+    recorded_kind: tuple[str, str] | None = None
+    """(value, where) of the teacher kind the folder itself records (KIND_KEY in adapter_config.json
+    or in a file's metadata), None when it records none: LoRA layers have the same shapes on every
+    Wan 2.2 A14B model, so only a record tells a text-to-video folder from an image-to-video one."""
 
     def file(self, which: str) -> Path:
         return self.path / FILES[which]
@@ -97,8 +105,25 @@ def check_lora_folder(folder: str | Path, flag: str) -> LoraFolder:
         shape,
         {w: {k: s for k, (s, _) in p.modules.items()} for w, p in parsed.items()},
         {w: {k: n for k, (_, n) in p.modules.items()} for w, p in parsed.items()},
+        _recorded_kind(folder, parsed),
     )
     return found
+
+
+def _recorded_kind(folder: Path, parsed: dict[str, _Parsed]) -> tuple[str, str] | None:
+    """What the folder records of its teacher's kind: adapter_config.json first, then the files'
+    metadata (the comfyui/ format has no adapter_config.json)."""
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError):  # absent (comfyui/) or already refused by _shape
+        config = None
+    if isinstance(config, dict) and isinstance(config.get(KIND_KEY), str):
+        return config[KIND_KEY], f"{folder / CONFIG_FILE}: {KIND_KEY} = {config[KIND_KEY]}"
+    for which, part in parsed.items():
+        value = part.metadata.get(KIND_KEY)
+        if value:
+            return value, f"{folder / FILES[which]} (its metadata): {KIND_KEY} = {value}"
+    return None
 
 
 @dataclass

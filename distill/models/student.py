@@ -31,6 +31,7 @@ from distill.models.student_config import (
     teacher_mismatches,
     wan_class,
 )
+from distill.models.student_kind import config_kind, described, widen_patch_embedding, widens_to
 from distill.ops.errors import DistillError, Stage
 from distill.ops.files import export_failed, staging_folder, swap_into_place
 
@@ -207,9 +208,15 @@ def init_student_from_teacher(
         if shared_value(s_cfg, key) != shared_value(t_cfg, key)
     ]
     if mismatched:
+        theirs, ours = config_kind(s_cfg), config_kind(t_cfg)
         raise DistillError(
             "Cannot initialise the student from the teacher: different latent or text spaces",
-            "; ".join(mismatched),
+            "; ".join(mismatched)
+            + (
+                f"\nThe student is shaped for {described(theirs)}; the teacher is {described(ours)}."
+                if theirs and ours and theirs != ours
+                else ""
+            ),
             fixes=["Build the student with load_student_config(path, teacher.config)."],
             stage=Stage.CONFIG,
         )
@@ -288,9 +295,35 @@ def _looks_local(name: str) -> bool:
     return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") != 1 or "\\" in name
 
 
-def _check_pretrained_config(config: Mapping[str, Any], expected: Mapping[str, Any], where: str) -> None:
+def _check_pretrained_config(
+    config: Mapping[str, Any], expected: Mapping[str, Any], where: str, flag: str, name: str
+) -> bool:
+    """Refuse a pretrained student that cannot start a student of the teacher `expected` describes;
+    True when it is a model of the noisy latents alone that the teacher's condition channels widen
+    (`widen_patch_embedding`), everything else equal."""
     values = {key: shared_value(config, key) for key in TEACHER_EQUAL_KEYS}
+    widen = widens_to(values, expected)
+    if widen:  # judge the rest as if it took the teacher's input already
+        values["in_channels"] = shared_value(expected, "in_channels")
     problems, _ = teacher_mismatches(values, expected, {}, where)
+    theirs, ours = config_kind(values), config_kind(expected)
+    if problems and theirs and ours and theirs != ours:
+        raise DistillError(
+            f"{flag} {name} is a {theirs.model} student ({theirs.task}); this teacher is {ours.model} "
+            f"({ours.task})",
+            "\n".join(problems) + f"\n{name}: {described(theirs)}\nthe teacher: {described(ours)}",
+            causes=[f"{name} was distilled from (or is) {theirs.model}, not {ours.model}"],
+            fixes=[
+                f"start from a student of {ours.model}: the student/ folder of a run on a {ours.model} teacher"
+                + (
+                    ", or a text-to-video one such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers (its input is widened)"
+                    if ours.in_channels != ours.out_channels
+                    else ", or a Wan text-to-video transformer such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+                ),
+                f"or start from this teacher's own blocks: {flag} teacher",
+            ],
+            stage=Stage.CONFIG,
+        )
     if problems:
         raise DistillError(
             "Pretrained student does not match the teacher",
@@ -299,10 +332,11 @@ def _check_pretrained_config(config: Mapping[str, Any], expected: Mapping[str, A
             fixes=["Use a Wan text-to-video transformer such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers."],
             stage=Stage.CONFIG,
         )
+    return widen
 
 
 def load_pretrained_student(
-    path_or_repo: str, expected: Mapping[str, Any] | None = None
+    path_or_repo: str, expected: Mapping[str, Any] | None = None, *, flag: str = "--student_init"
 ) -> WanTransformer3DModel:
     """Load a pretrained WanTransformer3DModel to start the student from.
 
@@ -310,8 +344,12 @@ def load_pretrained_student(
     subfolder (e.g. a downloaded Wan2.1-T2V-1.3B-Diffusers) or a hub id (its `transformer`
     subfolder first, then the repo root). With `expected` (the teacher expert's config), the
     channels, text width and patch size are checked against it from config.json alone, before
-    any weights are read. The model is returned in float32 on the CPU, like `build_student`,
-    whatever dtype it was stored in (the trainer keeps float32 master weights).
+    any weights are read; a model of the noisy latents alone (a text-to-video student, Wan2.1-T2V)
+    for a teacher whose input adds an image condition gets its patch embedding widened with zero
+    weights for the condition channels, so it starts as exactly that model. A student of another
+    Wan 2.2 model is refused naming both (`flag`: the option that named it). The model is returned
+    in float32 on the CPU, like `build_student`, whatever dtype it was stored in (the trainer keeps
+    float32 master weights).
     """
     cls = wan_class()
     name = str(path_or_repo)
@@ -357,8 +395,9 @@ def load_pretrained_student(
                 f"{where}/config.json describes a {class_name}.",
                 stage=Stage.CONFIG,
             )
-        if expected is not None:
-            _check_pretrained_config(config, expected, f"{where}/config.json")
+        widen = expected is not None and _check_pretrained_config(
+            config, expected, f"{where}/config.json", flag, name
+        )
         try:
             model = cls.from_pretrained(location, subfolder=subfolder, torch_dtype=torch.float32)
         except Exception as err:
@@ -370,6 +409,9 @@ def load_pretrained_student(
                 stage=Stage.SETUP,
             ) from err
         logger.info("Loaded pretrained student from %s (%d parameters)", where, count_parameters(model))
+        if widen:
+            assert expected is not None
+            widen_patch_embedding(model, int(shared_value(expected, "in_channels")), f"{flag} {where}")
         return model
 
     raise DistillError(

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distill.models.student_kind import kind_fix, kind_reason, written_for_error
 from distill.ops.errors import DistillError, Stage
 
 # Keys the student must share with the teacher expert; when a student config omits them they are
@@ -369,11 +370,16 @@ def teacher_mismatches(
         shown = list(expected) if isinstance(expected, tuple) else expected
         problems[file_key] = (
             f"{where}: `{file_key}` = {json_repr(value)} but the teacher has {key} = {json_repr(expected)}; "
-            + _TEACHER_REASONS[key].format(expected=shown)
+            + kind_reason(key, value, shown, teacher_config, _TEACHER_REASONS[key].format(expected=shown))
             + "."
         )
-        fixes[file_key] = (
-            f'Set "{file_key}": {json.dumps(shown)} in {where} (or delete it to inherit the teacher\'s).'
+        fixes[file_key] = kind_fix(
+            key,
+            file_key,
+            value,
+            teacher_config,
+            f'Set "{file_key}": {json.dumps(shown)} in {where} (or delete it to inherit the teacher\'s)',
+            where,
         )
     return list(problems.values()), list(fixes.values())
 
@@ -427,6 +433,9 @@ def load_student_config(path: str | Path, teacher_config: Mapping[str, Any]) -> 
 
     mismatches, fixes = teacher_mismatches(values, teacher_config, source, str(path))
     if mismatches:
+        written_for = written_for_error(path, values, teacher_config, mismatches, fixes)
+        if written_for is not None:
+            raise written_for
         raise DistillError(
             "Student config does not match the teacher",
             "\n".join(mismatches),

@@ -1,26 +1,116 @@
-"""Whether a checked LoRA folder fits a teacher's experts: the shapes and blocks of its adapters against
-the teacher's, refused before any weight is applied, naming the file, the key, both sizes and the
-teacher the adapters were trained on (from the run's run_settings.json). Used by `--student_lora_init`
-(`lora_start`) and by generate / evaluate (`lora_for_teacher`)."""
+"""Whether a checked LoRA folder fits a teacher's experts: the Wan 2.2 model they were trained on (the
+layers of T2V-A14B and I2V-A14B adapters have the same shapes, so what the folder or its run recorded
+tells them apart), then the shapes and blocks of its adapters against the teacher's, refused before any
+weight is applied, naming the file, the key, both sizes and the teacher the adapters were trained on
+(from the run's run_settings.json). Used by `--student_lora_init` (`lora_start`) and by generate /
+evaluate (`lora_for_teacher`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from distill.models.lora import EXPERTS, LoraShape, target_sizes
-from distill.models.lora_folder import BLOCK_MODULES, EXPERT_FOLDERS, LoraFolder, check_lora_folder
+from distill.models.lora_folder import BLOCK_MODULES, EXPERT_FOLDERS, KIND_KEY, LoraFolder, check_lora_folder
+from distill.models.student_kind import described, kind_named
+from distill.models.teacher_kind import KINDS, TeacherKind, read_teacher_kind
 from distill.ops.errors import DistillError, Stage
 from distill.sample.run_settings import RUN_SETTINGS_FILE
+
+logger = logging.getLogger(__name__)
+
+# The run_settings.json key naming the stock pipeline a run's student samples with.
+PIPELINE_KEY = "pipeline_class"
 
 
 def lora_for_teacher(folder: str | Path, flag: str, teacher: Any) -> LoraFolder:
     """The LoRA folder `folder` (given as `flag`), checked whole and against `teacher` (a TeacherInfo)."""
     found = check_lora_folder(folder, flag)
+    check_lora_kind(
+        found,
+        teacher,
+        flag,
+        [f"or pass adapters trained on {teacher.kind.model}: the lora/ folder of a LoRA run on this teacher"],
+    )
     check_fits_teacher(found, teacher, flag)
     return found
+
+
+def kind_at(teacher: str) -> TeacherKind | None:
+    """The Wan 2.2 model of a recorded teacher: a folder by its own files, a hub id by its name; None
+    when neither says (the folder is gone or damaged, an unknown name)."""
+    path = Path(teacher).expanduser()
+    if path.is_dir():
+        try:
+            reading = read_teacher_kind(path)
+        except DistillError:  # files that disagree: that folder is no witness
+            return None
+        return reading.kind if reading else None
+    return kind_named(teacher)
+
+
+def recorded_kind(found: LoraFolder) -> tuple[TeacherKind, str] | None:
+    """The Wan 2.2 model the adapters were trained on and where that is recorded: the folder's own
+    record (KIND_KEY), else its run's run_settings.json: a KIND_KEY there, the teacher folder it names
+    (read by its files), the hub id it names, or the stock pipeline its student samples with when
+    written (text-to-video runs leave `pipeline_class` out, and so did image-to-video runs before it
+    existed: its absence proves nothing). None when nothing says."""
+    if found.recorded_kind is not None:
+        kind = kind_named(found.recorded_kind[0])
+        if kind is not None:
+            return kind, found.recorded_kind[1]
+    for path, settings in _run_settings(found.path):
+        for key in (KIND_KEY, "teacher_path", "base_model", PIPELINE_KEY):
+            value = settings.get(key)
+            if not isinstance(value, str) or not value:
+                continue
+            if key == PIPELINE_KEY:  # adapters of two experts: an A14B model's pipeline
+                kind = next((k for k in KINDS if k.experts == 2 and k.pipeline_class == value), None)
+            else:
+                kind = kind_at(value) if key == "teacher_path" else kind_named(value)
+            if kind is not None:
+                read = " (read from that teacher's files)" if Path(value).expanduser().is_dir() else ""
+                return kind, f"{path}: {key} = {value}{read}"
+    return None
+
+
+def check_lora_kind(found: LoraFolder, teacher: Any, flag: str, extra_fixes: Sequence[str] = ()) -> None:
+    """Refuse adapters trained on another Wan 2.2 model than `teacher`'s (T2V-A14B adapters on an
+    I2V-A14B teacher, or the reverse): their shapes fit, but they learned another input."""
+    recorded = recorded_kind(found)
+    if recorded is None:
+        logger.warning(
+            "%s %s: nothing records which Wan 2.2 model these adapters were trained on (no %s, no "
+            "%s naming a teacher that can still be read); their shapes fit %s: make sure they were "
+            "trained on it",
+            flag,
+            found.path,
+            KIND_KEY,
+            RUN_SETTINGS_FILE,
+            teacher.kind.model,
+        )
+        return
+    kind, where = recorded
+    if kind == teacher.kind:
+        return
+    their_teacher = _recorded_teacher(found.path)
+    back = their_teacher[0] if their_teacher and kind_at(their_teacher[0]) == kind else kind.repo_id
+    raise DistillError(
+        f"{flag} {found.path}: the LoRA adapters were trained on {kind.model} ({kind.task}); this teacher "
+        f"is {teacher.kind.model} ({teacher.kind.task})",
+        f"recorded: {where}\n"
+        f"this teacher: {teacher.path}: {described(teacher.kind)}\n"
+        f"The adapters' layers have the same shapes on both models' experts, but they learned "
+        f"{kind.model}'s input ({kind.inputs}).",
+        causes=[
+            f"--teacher_path names another model than the {kind.model} teacher the adapters were trained on"
+        ],
+        fixes=[f"pass the teacher they were trained on: --teacher_path {back}", *extra_fixes],
+        stage=Stage.CONFIG,  # the folder a flag names: refused as a config mistake, before any work
+    )
 
 
 def check_fits_teacher(found: LoraFolder, teacher: Any, flag: str, extra_fixes: Sequence[str] = ()) -> None:
@@ -111,18 +201,26 @@ def _their_size(shapes: Mapping[str, tuple[int, ...]]) -> str:
     return f"{size}, {blocks} blocks" if size else f"{blocks} blocks"
 
 
-def _recorded_teacher(folder: Path) -> tuple[str, str] | None:
-    """The teacher the run that wrote `folder` trained on, from its run_settings.json (in the folder,
-    beside it, or beside lora/ for lora/comfyui/)."""
+def _run_settings(folder: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The run_settings.json objects of the run that wrote `folder` (in the folder, beside it, or
+    beside lora/ for lora/comfyui/), nearest first; unreadable ones are skipped."""
     for path in (
         folder / RUN_SETTINGS_FILE,
         folder.parent / RUN_SETTINGS_FILE,
         folder.parent.parent / RUN_SETTINGS_FILE,
     ):
         try:
-            teacher = json.loads(path.read_text()).get("teacher_path")
-        except (OSError, ValueError, AttributeError):
+            settings = json.loads(path.read_text())
+        except (OSError, ValueError):
             continue
+        if isinstance(settings, dict):
+            yield path, settings
+
+
+def _recorded_teacher(folder: Path) -> tuple[str, str] | None:
+    """The teacher the run that wrote `folder` trained on, from its run_settings.json."""
+    for path, settings in _run_settings(folder):
+        teacher = settings.get("teacher_path")
         if isinstance(teacher, str) and teacher:
             return teacher, str(path)
     return None
@@ -143,5 +241,7 @@ def lora_start(folder: str | Path, shape: LoraShape, teacher: Any) -> LoraFolder
             ],
             stage=Stage.CONFIG,
         )
-    check_fits_teacher(found, teacher, flag, [f"or start fresh adapters on this teacher: drop {flag}"])
+    fresh = [f"or start fresh adapters on this teacher: drop {flag}"]
+    check_lora_kind(found, teacher, flag, fresh)
+    check_fits_teacher(found, teacher, flag, fresh)
     return found

@@ -4,6 +4,7 @@ settings as the fix when a size is refused."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,13 @@ from distill.models.lora_folder import LoraFolder
 from distill.models.pipelines import (
     SizeLimits,
 )
+from distill.models.student_kind import channels_of, config_kind, described
 from distill.models.teacher import TeacherInfo
 from distill.ops.errors import DistillError, Stage
-from distill.sample.lora_fit import lora_for_teacher
+from distill.sample.lora_fit import kind_at, lora_for_teacher
 from distill.sample.run_settings import (
     RunSettings,
+    find_run_settings,
 )
 
 # Used only when the student's run left no run_settings.json (an older export) or for the teacher
@@ -49,12 +52,19 @@ def pick_device(name: str) -> torch.device:
 
 
 def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dtype: torch.dtype) -> Any:
-    """The exported student, checked against the teacher's latent and text spaces."""
+    """The exported student, checked against the teacher's model (a student of another Wan 2.2 model
+    is refused naming both) and its latent and text spaces."""
     from diffusers import WanTransformer3DModel
 
     from distill.models.student_config import TEACHER_EQUAL_KEYS
 
     folder = require_student_folder(folder)
+    try:  # the kind, before any weight loads; an unreadable config.json is from_pretrained's to report
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict):
+        check_student_kind(config, info, folder)
     try:
         student = WanTransformer3DModel.from_pretrained(folder, torch_dtype=dtype)
     except Exception as exc:
@@ -156,15 +166,19 @@ def require_student_folder(folder: str | Path, teacher_only: bool = True) -> Pat
 
 
 def student_limits(folder: str | Path, info: TeacherInfo) -> SizeLimits:
-    """The student's size limits, from its config.json alone (nothing is loaded); a LoRA student has
-    the teacher's experts' limits."""
-    import json
-
+    """The student's size limits, from its config.json alone (nothing is loaded; a student of another
+    Wan 2.2 model than the teacher is refused); a LoRA student has the teacher's experts' limits."""
     if is_lora_folder(folder):
         return SizeLimits.of(
             "student (LoRA on the teacher)", info.expert_config, info.path / "transformer" / "config.json"
         )
     config_file = require_student_folder(folder) / "config.json"
+    config = _read_config(config_file)
+    check_student_kind(config, info, config_file.parent)
+    return SizeLimits.of("student", config, config_file)
+
+
+def _read_config(config_file: Path) -> dict[str, Any]:
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
@@ -174,7 +188,46 @@ def student_limits(folder: str | Path, info: TeacherInfo) -> SizeLimits:
             fixes=["export the student again (a finished training run writes it)"],
             stage=Stage.CONFIG,
         ) from None
-    return SizeLimits.of("student", config, config_file)
+    if not isinstance(config, dict):
+        raise DistillError(
+            f"{config_file} is not a JSON object",
+            f"it holds: {str(config)[:200]}",
+            fixes=["export the student again (a finished training run writes it)"],
+            stage=Stage.CONFIG,
+        )
+    return config
+
+
+def check_student_kind(config: dict[str, Any], info: TeacherInfo, folder: Path) -> None:
+    """Refuse a full student of another Wan 2.2 model than the teacher (a text-to-video student with
+    an image-to-video teacher, or the reverse), read from the channels of its config.json: the
+    teacher's VAE, text encoder and pipeline would feed it another input than it was trained on."""
+    theirs = config_kind(config)
+    if theirs is None or theirs == info.kind:  # the channel checks name any other mismatch
+        return
+    in_channels, out_channels = channels_of(config)
+    try:
+        found = find_run_settings(folder)
+    except DistillError:  # a damaged run_settings.json names no teacher; the refusal stands without it
+        found = None
+    recorded = found[0].teacher_path if found else None
+    return_to = recorded if recorded and kind_at(recorded) in (theirs, None) else theirs.repo_id
+    raise DistillError(
+        f"--student {folder}: a {theirs.model} student ({theirs.task}) cannot sample with this "
+        f"{info.kind.model} teacher ({info.kind.task})",
+        f"{folder / 'config.json'}: in_channels = {in_channels}, out_channels = {out_channels}: "
+        f"{described(theirs)}\n"
+        f"this teacher: {info.path}: {described(info.kind)}"
+        + (f"\ndistilled from: {recorded} (as {found[1]} records)" if found and recorded else ""),
+        causes=[
+            f"--teacher_path names another model than the {theirs.model} teacher the student was distilled from"
+        ],
+        fixes=[
+            f"pass the teacher it was distilled from: --teacher_path {return_to}",
+            f"or pass a student distilled from {info.kind.model}: the student/ folder of a run on this teacher",
+        ],
+        stage=Stage.CONFIG,
+    )
 
 
 def teacher_limits(info: TeacherInfo) -> SizeLimits:

@@ -366,12 +366,14 @@ class Distiller:
         elif init == "random":
             model = build_student(config, seed=cfg.seed)
         else:
-            model = load_pretrained_student(init, self.info.expert_config)
+            # The option that named this start: a critic without its own --critic_init takes the student's.
+            own = name != "student" and getattr(cfg, f"{name}_init", None)
+            flag = f"--{name}_init" if own else "--student_init"
+            model = load_pretrained_student(init, self.info.expert_config, flag=flag)
             shape_keys = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")
             loaded = {k: model.config.get(k) for k in shape_keys}
             wanted = {k: config.get(k) for k in shape_keys}
             if loaded != wanted:
-                flag = "--student_init" if name == "student" else f"--{name}_init"
                 raise DistillError(
                     f"{flag} {init} has another shape than the {name} config",
                     f"{init}: {loaded}\nconfig: {wanted}",
