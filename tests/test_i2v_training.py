@@ -248,3 +248,29 @@ def test_a_damaged_image_is_named_with_its_line_and_what_was_cached_stays(world,
     # Every entry made before is still there (the fifth prompt's embedding was added before its image failed).
     assert set(built) <= {p.name for p in cache.rglob("*.safetensors")}
     assert not list(cache.rglob("*.tmp"))
+
+
+def test_samples_while_training_are_refused_for_image_to_video_before_anything_loads(world, tmp_path, capsys):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    assert train(args_for(world, out, cache_dir=cache, save_samples=True)) == 3
+    err = banner(capsys)
+    assert (
+        "--save_samples" in err and "Wan2.2-I2V-A14B" in err and "python -m distill.generate --image" in err
+    )
+    assert not out.exists() and not cache.exists()
+
+
+def test_a_text_to_video_run_reads_and_calls_exactly_what_it_did_before(tiny_teacher):
+    """What keeps text-to-video runs bit for bit: a sample's key is its prompt (the clean-latent
+    cache's file names and the teacher's seeds are unchanged, so are caches built before), and a
+    model conditioned on nothing is the model itself (no extra operation in any forward)."""
+    from distill.data.dataset import DistillationDataset
+    from distill.data.samples import read_training_samples
+    from distill.models.conditioning import conditioned
+    from distill.models.teacher_kind import T2V_A14B
+
+    samples = read_training_samples(REPO / "data" / "static_prompts.txt", T2V_A14B, 5)
+    assert [s.key for s in samples] == [s.prompt for s in samples] and all(s.image is None for s in samples)
+    model = load_expert(inspect_teacher(str(tiny_teacher)), "transformer", torch.float32)
+    assert conditioned(model, T2V_A14B, None) is model
+    assert DistillationDataset(["a"], None, None, 4).samples[0] == TrainingSample("a")
