@@ -17,9 +17,11 @@ or write a tiny random teacher for tests and offline demos.
     python download_wan.py --tiny outputs/tiny_teacher --seed 0
     # ... or in the ORIGINAL Wan layout (high_noise_model/, low_noise_model/, *.pth):
     python download_wan.py --tiny outputs/tiny_teacher_original --layout original
-    # ... or of another Wan 2.2 model, in its diffusers layout (for tests; not distilled yet):
+    # The Wan 2.2 I2V A14B teacher (image to video, ~120 GB) into models/Wan2.2-I2V-A14B-Diffusers:
+    python download_wan.py --preset wan2.2-i2v-a14b
+    # ... or a tiny one of another Wan 2.2 model, in its diffusers layout:
     python download_wan.py --tiny outputs/tiny_i2v_teacher --tiny_kind i2v    # Wan2.2-I2V-A14B
-    python download_wan.py --tiny outputs/tiny_ti2v_teacher --tiny_kind ti2v  # Wan2.2-TI2V-5B
+    python download_wan.py --tiny outputs/tiny_ti2v_teacher --tiny_kind ti2v  # Wan2.2-TI2V-5B (not distilled yet)
     # A small teacher TRAINED on a synthetic world (shipped weights, a second, no network):
     python download_wan.py --toy outputs/toy-wan
     # Convert an ORIGINAL Wan2.2-T2V-A14B download to the diffusers layout once:
@@ -234,8 +236,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tiny_kind",
         choices=TINY_KINDS,
-        help="with --tiny: which Wan 2.2 model (default: t2v = Wan2.2-T2V-A14B, the one this version "
-        "distils; i2v = Wan2.2-I2V-A14B, ti2v = Wan2.2-TI2V-5B, in their diffusers layouts)",
+        help="with --tiny: which Wan 2.2 model (default: t2v = Wan2.2-T2V-A14B; i2v = Wan2.2-I2V-A14B, "
+        "in either layout; ti2v = Wan2.2-TI2V-5B, diffusers layout only, not distilled yet)",
     )
     args = parser.parse_args(argv)
     _reject_stray_options(parser, args)
@@ -266,7 +268,7 @@ def _reject_stray_options(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--layout only applies to --tiny")
     if args.tiny is None and args.tiny_kind is not None:
         parser.error("--tiny_kind only applies to --tiny")
-    if args.layout == "original" and args.tiny_kind not in (None, "t2v"):
+    if args.layout == "original" and args.tiny_kind == "ti2v":
         parser.error(
             f"--tiny_kind {args.tiny_kind} is written in the diffusers layout only (leave out --layout)"
         )
@@ -622,7 +624,7 @@ def write_tiny(
     # imports torch and diffusers
     from distill.models.teacher_kind import KINDS
     from distill.models.tiny import (
-        ORIGINAL_LAYOUT_SHAPE,
+        original_layout_shape,
         tiny_shape,
         write_tiny_original_teacher,
         write_tiny_teacher,
@@ -630,8 +632,8 @@ def write_tiny(
 
     kind = next(k for k in KINDS if k.name.split("-")[0] == tiny_kind)
     if layout == "original":
-        shape = ORIGINAL_LAYOUT_SHAPE
-        path = write_tiny_original_teacher(out_dir, seed=seed, shape=shape, overwrite=overwrite)
+        shape = original_layout_shape(kind)
+        path = write_tiny_original_teacher(out_dir, seed=seed, shape=shape, overwrite=overwrite, kind=kind)
     else:
         shape = tiny_shape(kind)
         path = write_tiny_teacher(out_dir, seed=seed, shape=shape, kind=kind, overwrite=overwrite)

@@ -80,6 +80,15 @@ def test_cli_converts_the_i2v_original_layout_to_the_diffusers_twin(
         got, want = _state(converted / component), _state(dst / component)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), component
 
+    # The command users run writes the same folder.
+    assert (
+        download_wan.main(["--tiny", str(tmp_path / "cli"), "--tiny_kind", "i2v", "--layout", "original"])
+        == 0
+    )
+    for component in ("high_noise_model", "low_noise_model"):
+        assert _state(tmp_path / "cli" / component).keys() == _state(original / component).keys()
+    assert read_teacher_kind(tmp_path / "cli").kind == I2V_A14B
+
     pipe = WanImageToVideoPipeline.from_pretrained(dst)
     assert pipe.image_encoder is None and pipe.transformer_2 is not None
     assert pipe.config.boundary_ratio == 0.9
