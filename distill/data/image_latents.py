@@ -15,7 +15,7 @@ knows nothing of how an image enters a forward.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -65,14 +65,17 @@ def fill_image_latent_cache(
     pairs: Sequence[ImagePrompt],
     preprocess: Callable[[ImagePrompt], torch.Tensor],
     encode: ImageEncoder,
+    known: Mapping[Path, str] | None = None,
 ) -> dict[Path, str]:
     """Encode the images the cache lacks (each distinct content once); returns every pair's image
-    path -> its key, for looking the latents up while training.
+    path -> its key, for looking the latents up while training. `known` holds keys already
+    computed (path -> key), so no image is read twice just to hash it.
 
     An entry is stored only once its encoding has returned, so an encode that raises (out of
     memory, a damaged image) leaves the entries made before it and nothing else.
     """
-    keys = {pair.image: image_key(pair.image) for pair in pairs}
+    known = known or {}
+    keys = {pair.image: known.get(pair.image) or image_key(pair.image) for pair in pairs}
     todo: dict[str, ImagePrompt] = {}
     for pair in pairs:
         key = keys[pair.image]

@@ -308,5 +308,6 @@ def fill_condition_cache(
             bar.update(1)
             return image_condition(inputs.vae, pixels, cfg.num_frames).channels[0].cpu()
 
-        fill_image_latent_cache(cache, pairs, inputs.preprocess, encode)
+        known = {s.image.image: s.image_key for s in samples if s.image is not None and s.image_key}
+        fill_image_latent_cache(cache, pairs, inputs.preprocess, encode, known)
     return len(missing)
