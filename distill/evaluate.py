@@ -5,6 +5,11 @@
         [--teacher_path T --height H --width W --num_frames F --steps N --teacher_steps M --seed 0
          --num_buckets 10 --samples_per_bucket 1]
 
+An image-to-video student (Wan2.2-I2V-A14B teacher) is compared on a prompts file that pairs each
+prompt with its image (.jsonl {"prompt": ..., "image": ...} per line, or .csv / .tsv with prompt and
+image columns; paths relative to the file): teacher and student start each sample from that image,
+preprocessed as stock WanImageToVideoPipeline does.
+
 Every setting left out comes from the run that made the student (`run_settings.json` in or beside
 the student folder): teacher, training resolution and frames, sample steps, the teacher's guidance
 and negative prompt, max_sequence_length. A size the student or teacher cannot handle is refused
@@ -64,6 +69,7 @@ from distill.ops.errors import DistillError, Stage, report
 from distill.ops.paths import Kind
 from distill.report.measures import DEFAULT_MAX_SEQUENCE_LENGTH, EvalSettings
 from distill.report.summary import evaluate_student
+from distill.sample.image_inputs import prompt_images
 from distill.sample.run_settings import (
     RunSettings,
     fill_left_out_flags,
@@ -291,6 +297,19 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         f"defaults from {found[1]}; flags override" if found else "flags and built-in defaults",
     )
     prompts = read_prompts(args.prompts, "--prompts")[: args.max_prompts]
+    # Image to video: each prompt's image, read and preprocessed before any model loads.
+    images = prompt_images(
+        info.kind,
+        info.path,
+        0,
+        None,
+        args.prompts,
+        args.height,
+        args.width,
+        info.vae_scale_spatial,
+        file_flag="--prompts",
+        image_flag=None,
+    )
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if adapters is not None:  # the teacher's own experts: loaded once, adapters on for the student
@@ -323,25 +342,60 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": str(args.prompts),
         "step": None,
     }
-    result = evaluate_student(
-        student,
-        high,
-        low,
-        info,
-        embeddings,
-        embeddings[args.negative_prompt],
-        prompts,
-        settings,
-        args.output_dir,
-        device,
-        extra=extra,
-    )
+    if images is None:
+        result = evaluate_student(
+            student,
+            high,
+            low,
+            info,
+            embeddings,
+            embeddings[args.negative_prompt],
+            prompts,
+            settings,
+            args.output_dir,
+            device,
+            extra=extra,
+        )
+    else:
+        result = evaluate_from_images(
+            student, high, low, info, embeddings, args, prompts, images, settings, device, extra
+        )
     # A teacher trained on the toy world (toy_world.json) can also be scored by what its pictures show.
     from distill.report.toy_report import add_toy_report
 
     return add_toy_report(
         result, info.path, student, high, low, settings, args.output_dir, count=args.toy_prompts
     )
+
+
+def evaluate_from_images(
+    student: Any,
+    high: Any,
+    low: Any,
+    info: Any,
+    embeddings: dict[str, Any],
+    args: argparse.Namespace,
+    prompts: list[str],
+    images: list[Any],
+    settings: EvalSettings,
+    device: Any,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """The report of an image-to-video student: teacher and student sample each prompt from its own
+    image (and the same noise); the probes see the image's condition in every forward."""
+    from distill.report.measures import build_reference, compare_student
+    from distill.report.summary import gather_and_write
+
+    conds = {i: embeddings[p] for i, p in enumerate(prompts)}
+    by_index = dict(enumerate(images[: len(prompts)]))
+    negative = embeddings[args.negative_prompt]
+    reference = build_reference(
+        high, low, info, conds, negative, len(prompts), settings, device, images=by_index
+    )
+    records = compare_student(student, reference, info, conds, prompts, settings, device, images=by_index)
+    result = gather_and_write(records, settings, info.boundary_ratio, args.output_dir, extra=extra)
+    assert result is not None  # one process: rank 0
+    return result
 
 
 @entry_point

@@ -19,6 +19,12 @@ A few-step (dmd) student samples with its run's K-step scheduler (in run_setting
 guidance 1; that scheduler re-noises from the global RNG, so prompt i is what the stock pipeline
 gives after `torch.manual_seed(seed + i)` with no generator (= distill.models.few_step.sample_few_step).
 
+An image-to-video student (or teacher) turns an image into a video: `--image first.png` is the first
+frame of every prompt's video, or `--prompts_file pairs.jsonl` pairs each prompt with its own image
+({"prompt": "...", "image": "images/0.png"} per line, paths relative to the file); each image is
+brought to the sample's size as stock WanImageToVideoPipeline does, and the sample equals that
+pipeline's for the same image, prompt and seed.
+
 One prompt: --output is the file (.png for 1 frame, .mp4 otherwise; the suffix is added when
 missing). Several prompts (--prompts_file, or --prompt given more than once) or an existing
 folder: --output is a folder that receives prompt_00.png, prompt_01.png, ... (clips: prompt_00.mp4,
@@ -44,6 +50,7 @@ from distill.models.pipelines import (
     load_scheduler,
     load_text_components,
     load_vae,
+    preprocessed_images,
     scheduler_from_config,
     student_pipeline,
     teacher_pipeline,
@@ -53,6 +60,7 @@ from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.output_dir import writable_folder
 from distill.ops.paths import Kind, PathFlag, check_paths
+from distill.sample.image_inputs import images_of, prompt_images
 from distill.sample.media import media_suffix, write_frames, write_side_by_side_gif
 from distill.sample.run_settings import (
     RunSettings,
@@ -183,7 +191,9 @@ def build_pipeline(
     if args.teacher_only or lora:
         high = load_expert(info, "transformer", dtype).to(device)
         low = load_expert(info, "transformer_2", dtype).to(device)
-        pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path), **shared)
+        pipe = teacher_pipeline(
+            high, low, info.boundary_ratio, load_scheduler(info.path), info.kind, **shared
+        )
         if not lora:
             return pipe
         # A LoRA run: the teacher with its adapters, loaded as stock diffusers loads them (the folder
@@ -211,7 +221,7 @@ def build_pipeline(
     if lora:
         pipe.scheduler = scheduler
         return pipe
-    return student_pipeline(student, scheduler, **shared)
+    return student_pipeline(student, scheduler, info.kind, **shared)
 
 
 def check_counts(args: argparse.Namespace) -> None:
@@ -311,6 +321,17 @@ def generate(args: argparse.Namespace) -> list[Path]:
         [model],
         fixes=trained_size_fix(found),
     )
+    # Every image read and preprocessed before any model loads (image to video; else refused).
+    images = prompt_images(
+        info.kind,
+        args.teacher_path,
+        len(args.prompt or []),
+        args.image,
+        args.prompts_file,
+        args.height,
+        args.width,
+        info.vae_scale_spatial,
+    )
     logger.info(
         describe(
             args,
@@ -322,7 +343,7 @@ def generate(args: argparse.Namespace) -> list[Path]:
     pipe = build_pipeline(args, info, device, resolve_dtype(args.dtype, device), found[0] if found else None)
     written, clips = [], []
     for i, (prompt, target) in enumerate(zip(prompts, targets)):
-        frames = render(pipe, args, prompt, args.seed + i)
+        frames = render(pipe, args, prompt, args.seed + i, image=images_of(images, i))
         written.append(write_frames(frames, target))
         clips.append(frames)
     if args.num_frames > 1 and len(written) > 1:
@@ -336,11 +357,21 @@ def generate(args: argparse.Namespace) -> list[Path]:
     return written
 
 
-def render(pipe: Any, args: argparse.Namespace, prompt: str, seed: int, output_type: str = "np") -> Any:
+def render(
+    pipe: Any,
+    args: argparse.Namespace,
+    prompt: str,
+    seed: int,
+    output_type: str = "np",
+    image: torch.Tensor | None = None,
+) -> Any:
     """One sample with the resolved settings of `args`: frames (F, H, W, 3) in [0, 1], or the
-    final latent with output_type="latent"."""
+    final latent with output_type="latent". `image` (an image-to-video pipeline) is the first
+    frame, already preprocessed as the pipeline would (distill.sample.image_inputs)."""
     # None for a one-model student: WanPipeline refuses a second scale without a second expert.
-    extra = {"guidance_scale_2": args.guidance_2} if args.guidance_2 is not None else {}
+    extra: dict[str, Any] = {"guidance_scale_2": args.guidance_2} if args.guidance_2 is not None else {}
+    if image is not None:
+        extra["image"] = image
     generator = torch.Generator("cpu").manual_seed(seed)
     if getattr(pipe.scheduler.config, "stochastic_sampling", False):
         # A few-step student's scheduler re-noises at every step from the global RNG (WanPipeline
@@ -349,19 +380,20 @@ def render(pipe: Any, args: argparse.Namespace, prompt: str, seed: int, output_t
         # repeat its draw as the first re-noising.
         torch.manual_seed(seed)
         generator = None
-    return pipe(
-        prompt=prompt,
-        negative_prompt=args.negative_prompt,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance,
-        generator=generator,
-        output_type=output_type,
-        max_sequence_length=args.max_sequence_length,
-        **extra,
-    ).frames[0]
+    with preprocessed_images(pipe, image is not None):
+        return pipe(
+            prompt=prompt,
+            negative_prompt=args.negative_prompt,
+            height=args.height,
+            width=args.width,
+            num_frames=args.num_frames,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            generator=generator,
+            output_type=output_type,
+            max_sequence_length=args.max_sequence_length,
+            **extra,
+        ).frames[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -390,7 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=PathAction,
         kind=Kind.FILE,
         suffixes=PROMPT_SUFFIXES,
-        help="More prompts, from a .txt / .jsonl / .csv file.",
+        help="More prompts, from a .txt / .jsonl / .csv file; for an image-to-video student, a .jsonl / "
+        '.csv / .tsv file may pair each prompt with its image ({"prompt": "...", "image": "first.png"}).',
+    )
+    parser.add_argument(
+        "--image",
+        help="Image-to-video (Wan2.2-I2V-A14B) only: the first frame of every prompt's video, "
+        "resized to --height x --width as WanImageToVideoPipeline does.",
     )
     parser.add_argument("--output", required=True, help="Output file (one prompt) or folder (several).")
     parser.add_argument("--height", type=integer(1), help=f"Pixels ({run} {FALLBACK['height']}).")

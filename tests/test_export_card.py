@@ -286,3 +286,18 @@ def test_a_student_distilled_without_guidance_says_so_and_dmd_warns_about_one_wi
     with caplog.at_level(logging.WARNING, logger="distill.train.methods.dmd"):
         Distiller(parse_config(args)).run()
     assert advice in caplog.text
+
+
+def test_a_text_to_video_export_names_wan_pipeline_and_records_no_pipeline_class(run):
+    """Only an image-to-video run records its pipeline class: a text-to-video run's files are what
+    they were before image to video existed, and its cards never ask for an image."""
+    out = run.output_dir
+    for folder in (out, out / "student", out / "pipeline"):
+        recorded = json.loads((folder / "run_settings.json").read_text())
+        assert "pipeline_class" not in recorded
+        assert read_run_settings(folder / "run_settings.json").pipeline_class == "WanPipeline"
+    for name in ("student", "pipeline"):
+        card = (out / name / "README.md").read_text()
+        assert "WanImageToVideoPipeline" not in card and "load_image" not in card and "image=" not in card
+        assert "pipeline_tag: text-to-video" in card and "# Wan 2.2 T2V distilled student" in card
+    assert json.loads((out / "pipeline" / "model_index.json").read_text())["_class_name"] == "WanPipeline"

@@ -22,12 +22,16 @@ import torch
 
 from distill.models.lora import LoraShape
 from distill.models.original.keymaps import transformer_to_original
+from distill.models.teacher_kind import TeacherKind
 from distill.ops.errors import DistillError, Stage
 from distill.ops.files import staging_folder, swap_into_place
 
 FILES = {"high": "high_noise_lora.safetensors", "low": "low_noise_lora.safetensors"}
 WAN_FORMAT_DIR = "comfyui"
 LORA_SUFFIXES = {"lora_A": "lora_down", "lora_B": "lora_up"}
+# The key under which a LoRA folder records its teacher's model (TeacherKind.name): in
+# adapter_config.json and in the Wan-format files' metadata.
+KIND_KEY = "teacher_kind"
 
 
 def module_of(key: str) -> tuple[str, str]:
@@ -83,10 +87,17 @@ def wan_format_problem(
 
 
 def write_lora_folder(
-    states: Mapping[str, Mapping[str, torch.Tensor]], shape: LoraShape, out_dir: str | Path
+    states: Mapping[str, Mapping[str, torch.Tensor]],
+    shape: LoraShape,
+    out_dir: str | Path,
+    kind: TeacherKind | None = None,
 ) -> Path:
     """Write `out_dir` (see the module docstring) from {"high": state, "low": state} in diffusers key
-    names; staged next to it and renamed into place, so a crash never leaves half a folder."""
+    names; staged next to it and renamed into place, so a crash never leaves half a folder.
+
+    `kind`, the teacher's model, is recorded in adapter_config.json and in the Wan-format files'
+    metadata (distill.models.lora_folder.KIND_KEY): both models' experts have the same layer shapes,
+    so only this record tells an image-to-video LoRA from a text-to-video one."""
     from diffusers import WanPipeline
     from safetensors.torch import save_file
 
@@ -94,6 +105,8 @@ def write_lora_folder(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_folder(out_dir)
     metadata = {"r": shape.rank, "lora_alpha": shape.alpha, "target_modules": list(shape.targets)}
+    # Kept out of the diffusers files' adapter metadata: diffusers builds its LoRA config from that.
+    recorded = {KIND_KEY: kind.name} if kind is not None else {}
     try:
         (staging / WAN_FORMAT_DIR).mkdir()
         for which, state in states.items():
@@ -115,8 +128,8 @@ def write_lora_folder(
                     ],
                     stage=Stage.INTERNAL,
                 )
-            save_file(wan, staging / WAN_FORMAT_DIR / FILES[which], metadata={"format": "pt"})
-        (staging / "adapter_config.json").write_text(json.dumps(metadata, indent=2) + "\n")
+            save_file(wan, staging / WAN_FORMAT_DIR / FILES[which], metadata={"format": "pt", **recorded})
+        (staging / "adapter_config.json").write_text(json.dumps({**metadata, **recorded}, indent=2) + "\n")
         swap_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

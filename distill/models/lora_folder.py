@@ -27,13 +27,10 @@ import torch
 from distill.config.settings import LORA_TARGETS
 from distill.models.layout import safetensors_problem
 from distill.models.lora import EXPERTS, LoraShape
-from distill.models.lora_files import FILES, LORA_SUFFIXES, WAN_FORMAT_DIR, wan_module_name
+from distill.models.lora_files import FILES, KIND_KEY, LORA_SUFFIXES, WAN_FORMAT_DIR, wan_module_name
 from distill.ops.errors import DistillError, Stage
 
 CONFIG_FILE = "adapter_config.json"
-# The key that records which Wan 2.2 model the adapters were trained on (models/teacher_kind.py's
-# short name, e.g. "i2v-a14b"), in adapter_config.json and in the safetensors files' metadata.
-KIND_KEY = "teacher_kind"
 EXPERT_FOLDERS = {"high": "transformer", "low": "transformer_2"}
 # A module of one block, as peft names it (attn1 = self-attention, attn2 = cross-attention), and the
 # --student_lora_targets name that selects it.

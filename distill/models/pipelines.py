@@ -1,4 +1,5 @@
-"""Generating images and videos with diffusers' WanPipeline: the student alone, or the teacher.
+"""Generating images and videos with diffusers' WanPipeline (WanImageToVideoPipeline for an
+image-to-video teacher): the student alone, or the teacher.
 
 The student learned the teacher's *guided* velocity, so it samples with one model and guidance 1
 (`transformer=student, transformer_2=None, boundary_ratio=None`); the teacher samples with both
@@ -212,22 +213,42 @@ def check_sample_size(
 # ---------------------------------------------------------------------------------------------
 
 
-def student_pipeline(student: torch.nn.Module, scheduler: Any, **components: Any) -> Any:
-    """WanPipeline running the student alone (sample it with guidance_scale=1.0).
+def stock_pipeline_class(kind: TeacherKind) -> Any:
+    """The diffusers pipeline class of `kind`, imported by name (only an image-to-video run imports
+    its module). That module imports transformers' CLIP image processor, which warns that torchvision
+    is missing although the A14B models use no image encoder: the import runs with transformers'
+    warnings off."""
+    import diffusers
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        return getattr(diffusers, kind.pipeline_class)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
+def student_pipeline(
+    student: torch.nn.Module, scheduler: Any, kind: TeacherKind = T2V_A14B, **components: Any
+) -> Any:
+    """The stock pipeline of the teacher's `kind` running the student alone (sample it with
+    guidance_scale=1.0): WanPipeline, or WanImageToVideoPipeline for an image-to-video teacher
+    (which needs `vae=` to encode the image), exactly as its exported pipeline/ folder loads.
 
     `components` may add tokenizer, text_encoder and vae; without them pass prompt embeddings and
     ask for output_type="latent". A LoRA student (the teacher's experts with its adapters) samples
     as the teacher does, both experts switched at the boundary, with its adapters on.
     """
-    from diffusers import WanPipeline
 
     from distill.models.lora import RoutedModel
 
     if isinstance(student, RoutedModel):
         high, low = student.sampling_experts()
-        return teacher_pipeline(high, low, student.boundary_ratio, scheduler, **components)
-
-    pipe = WanPipeline(
+        return teacher_pipeline(high, low, student.boundary_ratio, scheduler, kind, **components)
+    if kind == I2V_A14B and components.get("vae") is None:
+        raise ValueError("the image-to-video pipeline needs the teacher's VAE (vae=) to encode the image")
+    pipe = stock_pipeline_class(kind)(
         tokenizer=components.get("tokenizer"),
         text_encoder=components.get("text_encoder"),
         vae=components.get("vae"),
@@ -252,12 +273,11 @@ def teacher_pipeline(
     t >= boundary_ratio * 1000, `low` below. WanPipeline for text to video; WanImageToVideoPipeline
     for image to video, which needs `vae=` (it encodes the image) and has no image encoder (the
     I2V-A14B model takes none)."""
-    import diffusers
 
     if kind == I2V_A14B and components.get("vae") is None:
         raise ValueError("the image-to-video pipeline needs the teacher's VAE (vae=) to encode the image")
     # The kind's stock pipeline by name: only an image-to-video one imports its module.
-    pipeline_class = getattr(diffusers, kind.pipeline_class)
+    pipeline_class = stock_pipeline_class(kind)
     pipe = pipeline_class(
         tokenizer=components.get("tokenizer"),
         text_encoder=components.get("text_encoder"),

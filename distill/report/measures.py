@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from distill.models.conditioning import Condition, conditioned, image_condition
 from distill.models.flow_matching import NUM_TRAIN_TIMESTEPS, add_noise, per_sample_mse
 from distill.models.guided_teacher import GuidedTeacher
 from distill.models.pipelines import (
@@ -29,6 +30,7 @@ from distill.models.pipelines import (
     teacher_vae,
 )
 from distill.models.teacher import TeacherInfo
+from distill.models.teacher_kind import T2V_A14B, TeacherKind
 from distill.sample.media import rank_share
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's; only for students exported without run_settings.json
@@ -151,6 +153,35 @@ def _cond(conds: Mapping[int, torch.Tensor], index: int) -> torch.Tensor:
     return conds[index].reshape(1, *conds[index].shape[-2:])
 
 
+Images = Mapping[int, torch.Tensor]
+"""Image to video: each prompt index's first frame, (1, 3, H, W) in [-1, 1] at the sample's size
+(preprocessed as WanImageToVideoPipeline does: distill.data.images.ImagePreprocessor)."""
+
+
+@contextlib.contextmanager
+def image_vae(info: TeacherInfo, images: Images | None, device: torch.device) -> Iterator[Any]:
+    """The teacher's VAE while prompts bring images (the image-to-video pipelines encode each one
+    and the probes need its condition), else None: a text-to-video report loads nothing more."""
+    if images is None:
+        yield None
+        return
+    with teacher_vae(info.path, device) as vae:
+        yield vae
+
+
+def _image(images: Images | None, index: int) -> torch.Tensor | None:
+    return None if images is None else images[index]
+
+
+def _condition(
+    vae: Any, images: Images | None, index: int, settings: EvalSettings, device: torch.device
+) -> Condition | None:
+    """What prompt `index`'s image adds to every forward (models/conditioning.py), or None."""
+    if images is None:
+        return None
+    return image_condition(vae, images[index], settings.num_frames, device=device)
+
+
 def build_reference(
     high: torch.nn.Module,
     low: torch.nn.Module,
@@ -164,16 +195,52 @@ def build_reference(
     rank: int = 0,
     world_size: int = 1,
     with_probes: bool = True,
+    images: Images | None = None,
 ) -> TeacherReference:
     """Sample this rank's prompts with the teacher (both experts, its guidance) and, with
     `with_probes`, its guided velocities at the denoiser probes.
 
     `conds` maps a global prompt index to its zero-padded embedding (L, D) (this rank's indices
-    suffice); `negative` is the zero-padded negative-prompt embedding (L, D).
+    suffice); `negative` is the zero-padded negative-prompt embedding (L, D). `images` (an
+    image-to-video teacher) maps each index to its first frame.
     """
+    with image_vae(info, images, device) as vae:
+        return _build_reference(
+            high,
+            low,
+            info,
+            conds,
+            negative,
+            num_prompts,
+            settings,
+            device,
+            rank,
+            world_size,
+            with_probes,
+            images,
+            vae,
+        )
+
+
+def _build_reference(
+    high: torch.nn.Module,
+    low: torch.nn.Module,
+    info: TeacherInfo,
+    conds: Mapping[int, torch.Tensor],
+    negative: torch.Tensor,
+    num_prompts: int,
+    settings: EvalSettings,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    with_probes: bool,
+    images: Images | None,
+    vae: Any,
+) -> TeacherReference:
     items = rank_share(num_prompts, rank, world_size)
     shape = info.latent_shape(settings.height, settings.width, settings.num_frames)
-    pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path))
+    kind = kind_of(info)
+    pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path), kind, vae=vae)
     negative = negative.reshape(1, *negative.shape[-2:])
 
     def run(index: int, steps: int) -> torch.Tensor:
@@ -185,6 +252,7 @@ def build_reference(
             steps,
             settings.guidance_scale,
             settings.guidance_scale_2,
+            image=_image(images, index),
         )
 
     def timed(steps: int) -> tuple[list[torch.Tensor], list[float], list[int]]:
@@ -214,14 +282,22 @@ def build_reference(
             settings.guidance_scale_2,
             device,
             compute_dtype(high),
+            kind=kind,
         )
         uncond = negative.to(device, torch.float32)
         targets = []
         for (index, _), x0 in zip(items, latents):
             x_t = probe_inputs(x0, timesteps, probe_seed(settings.seed, index))
             cond = _cond(conds, index).to(device, torch.float32)
+            condition = _condition(vae, images, index, settings, device)
             chunks = [
-                teacher.velocity(x.to(device), t, cond.expand(len(t), -1, -1).contiguous(), uncond).cpu()
+                teacher.velocity(
+                    x.to(device),
+                    t,
+                    cond.expand(len(t), -1, -1).contiguous(),
+                    uncond,
+                    condition=condition.repeat(len(t)) if condition is not None else None,
+                ).cpu()
                 for x, t in zip(x_t.split(settings.probe_batch), timesteps.split(settings.probe_batch))
             ]
             targets.append(torch.cat(chunks))
@@ -237,12 +313,16 @@ def denoiser_errors(
     targets: torch.Tensor,
     device: torch.device,
     batch: int,
+    condition: Condition | None = None,
+    kind: TeacherKind = T2V_A14B,
 ) -> list[list[float]]:
-    """[t, mse, mean(target^2)] for each probe: the student's velocity against the guided teacher's."""
+    """[t, mse, mean(target^2)] for each probe: the student's velocity against the guided teacher's.
+    `condition` (one row: the prompt's image, for an image-to-video teacher) enters every forward."""
     dtype = compute_dtype(student)
     rows = []
     for x, t, target in zip(x_t.split(batch), timesteps.split(batch), targets.split(batch)):
-        prediction = student(
+        model = conditioned(student, kind, condition.repeat(len(t)) if condition is not None else None)
+        prediction = model(
             hidden_states=x.to(device, dtype),
             timestep=t.to(device),
             encoder_hidden_states=cond.to(device, dtype).expand(len(t), -1, -1),
@@ -262,13 +342,32 @@ def compare_student(
     prompts: Sequence[str],
     settings: EvalSettings,
     device: torch.device,
+    images: Images | None = None,
 ) -> list[dict[str, Any]]:
     """One record per prompt of this rank: sampler errors, cost and (with probes) denoiser errors.
 
     The student must be in eval mode; it samples with guidance 1 from the same noise as the teacher,
-    with its own scheduler if `settings.student_scheduler` names one (a few-step student).
+    with its own scheduler if `settings.student_scheduler` names one (a few-step student), and
+    from each prompt's image when `images` are given (as `build_reference` got them).
     """
-    run = student_sampler(student, info, conds, settings)
+    with image_vae(info, images, device) as vae:
+        records = _compare_student(student, reference, info, conds, prompts, settings, device, images, vae)
+    _add_frame_errors(records, info.path, device)
+    return records
+
+
+def _compare_student(
+    student: torch.nn.Module,
+    reference: TeacherReference,
+    info: TeacherInfo,
+    conds: Mapping[int, torch.Tensor],
+    prompts: Sequence[str],
+    settings: EvalSettings,
+    device: torch.device,
+    images: Images | None,
+    vae: Any,
+) -> list[dict[str, Any]]:
+    run = student_sampler(student, info, conds, settings, images, vae)
     run(reference.items[0][0], min(2, settings.steps_of_student))  # warm-up, as for the teacher
     records = []
     for position, (index, keep) in enumerate(reference.items):
@@ -291,6 +390,8 @@ def compare_student(
                 reference.targets[position],
                 device,
                 settings.probe_batch,
+                _condition(vae, images, index, settings, device),
+                kind_of(info),
             )
         if not keep:
             continue
@@ -317,7 +418,6 @@ def compare_student(
                 }
             )
         records.append(record)
-    _add_frame_errors(records, info.path, device)
     return records
 
 
@@ -326,20 +426,25 @@ def student_sampler(
     info: TeacherInfo,
     conds: Mapping[int, torch.Tensor],
     settings: EvalSettings,
+    images: Images | None = None,
+    vae: Any = None,
 ) -> Callable[[int, int], torch.Tensor]:
     """`run(prompt index, steps) -> final latent (C, F, h, w)` of the student at guidance 1, from the
-    teacher's starting noise: in WanPipeline with the teacher's scheduler, or, for a few-step student,
-    with its own scheduler (the rollout it was trained on, re-noising from seed + index)."""
+    teacher's starting noise: in WanPipeline (WanImageToVideoPipeline from the prompt's image, with
+    `vae`) with the teacher's scheduler, or, for a few-step student, with its own scheduler (the
+    rollout it was trained on, re-noising from seed + index)."""
     from distill.models.few_step import sample_few_step
     from distill.models.pipelines import scheduler_from_config
 
     shape = info.latent_shape(settings.height, settings.width, settings.num_frames)
+    kind = kind_of(info)
     if settings.student_scheduler is None:
-        pipe = student_pipeline(student, load_scheduler(info.path))
+        pipe = student_pipeline(student, load_scheduler(info.path), kind, vae=vae)
 
         def run(index: int, steps: int) -> torch.Tensor:
             noise = initial_noise(shape, settings.seed + index)
-            return sample_latents(pipe, noise, _cond(conds, index), None, steps, 1.0)
+            image = _image(images, index)
+            return sample_latents(pipe, noise, _cond(conds, index), None, steps, 1.0, image=image)
 
         return run
 
@@ -348,10 +453,18 @@ def student_sampler(
     def run_few_step(index: int, steps: int) -> torch.Tensor:
         seed = settings.seed + index
         noise = initial_noise(shape, seed)
-        latent = sample_few_step(student, scheduler, steps, _cond(conds, index), shape, seed, noise)
+        condition = _condition(vae, images, index, settings, noise.device)
+        latent = sample_few_step(
+            student, scheduler, steps, _cond(conds, index), shape, seed, noise, condition=condition, kind=kind
+        )
         return latent[0].cpu()
 
     return run_few_step
+
+
+def kind_of(info: TeacherInfo) -> TeacherKind:
+    """The teacher's kind (text to video for an info made without one)."""
+    return getattr(info, "kind", T2V_A14B)
 
 
 def _add_frame_errors(records: list[dict[str, Any]], teacher_path: Path, device: torch.device) -> None:

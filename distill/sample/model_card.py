@@ -25,6 +25,7 @@ from distill.sample.run_settings import RunSettings, write_run_settings
 
 CARD_FILE = "README.md"
 EXAMPLE_PROMPT = "a red fox trotting through fresh snow at sunrise"
+EXAMPLE_IMAGE = "first_frame.png"
 WAN_DEFAULTS = "guidance 5.0, 50 steps, 480x832, max_sequence_length 512"
 
 
@@ -53,12 +54,13 @@ def card_metadata(settings: RunSettings) -> Any:
     """The card's YAML header as huggingface_hub's ModelCardData."""
     from huggingface_hub import ModelCardData
 
-    tags = ["wan", "wan2.2", "text-to-video", "distillation", f"{settings.method}-distillation"]
-    if settings.num_frames == 1:
+    task = "image-to-video" if settings.takes_image else "text-to-video"
+    tags = ["wan", "wan2.2", task, "distillation", f"{settings.method}-distillation"]
+    if settings.num_frames == 1 and not settings.takes_image:
         tags.append("text-to-image")
     return ModelCardData(
         library_name="diffusers",
-        pipeline_tag="text-to-video",
+        pipeline_tag=task,
         base_model=settings.base_model,  # None (left out) when the teacher's hub id is unknown
         tags=tags,
     )
@@ -70,11 +72,12 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
     `kind` is "transformer" (a student/ folder: the pipeline is assembled from the teacher) or
     "pipeline" (a pipeline/ folder that loads with WanPipeline.from_pretrained alone).
     """
+    pipeline = settings.pipeline_class
     lines = [
         "import numpy as np",
         "import torch",
-        "from diffusers import WanPipeline, WanTransformer3DModel",
-        "from diffusers.utils import export_to_video",
+        f"from diffusers import {pipeline}, WanTransformer3DModel",
+        f"from diffusers.utils import export_to_video{', load_image' if settings.takes_image else ''}",
         "from PIL import Image",
         "",
         "dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32",
@@ -82,12 +85,12 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
     if kind == "pipeline":
         lines += [
             "# this folder: its path here, or the hub id it was uploaded to",
-            f"pipe = WanPipeline.from_pretrained({folder_ref!r}, torch_dtype=dtype)",
+            f"pipe = {pipeline}.from_pretrained({folder_ref!r}, torch_dtype=dtype)",
         ]
     elif kind == "lora":
         lines += [
             "# the teacher itself, with one adapter per expert (this folder: its path, or the hub id it was uploaded to)",
-            f"pipe = WanPipeline.from_pretrained({settings.teacher_path!r}, torch_dtype=dtype)",
+            f"pipe = {pipeline}.from_pretrained({settings.teacher_path!r}, torch_dtype=dtype)",
             f'pipe.load_lora_weights({folder_ref!r}, weight_name="high_noise_lora.safetensors", adapter_name="fast")',
             "pipe.load_lora_weights(",
             f'    {folder_ref!r}, weight_name="low_noise_lora.safetensors", adapter_name="fast_2",',
@@ -99,7 +102,7 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
             "# this folder: its path here, or the hub id it was uploaded to",
             f"student = WanTransformer3DModel.from_pretrained({folder_ref!r}, torch_dtype=dtype)",
             "# tokenizer, text encoder, VAE and scheduler come from the teacher; the student replaces both experts",
-            "pipe = WanPipeline.from_pretrained(",
+            f"pipe = {pipeline}.from_pretrained(",
             f"    {settings.teacher_path!r},",
             "    transformer=student,",
             "    transformer_2=None,",
@@ -115,9 +118,15 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
             "",
             f"pipe.scheduler = {name}.from_config({dict(sorted(config.items()))!r})",  # a Python literal, not JSON
         ]
+    lines.append('pipe.to("cuda" if torch.cuda.is_available() else "cpu")')
+    if settings.takes_image:
+        lines += [
+            "# the video's first frame: a file or URL (the pipeline resizes it to height x width)",
+            f"image = load_image({EXAMPLE_IMAGE!r})",
+        ]
     lines += [
-        'pipe.to("cuda" if torch.cuda.is_available() else "cpu")',
         "result = pipe(",
+        *(["    image=image,"] if settings.takes_image else []),
         f"    prompt={EXAMPLE_PROMPT!r},",
         f"    height={settings.height},",
         f"    width={settings.width},",
@@ -211,15 +220,21 @@ def model_card_text(
             f"{settings.trained_steps} optimizer steps). It replaces both teacher experts: one model, one forward",
             "per step, no classifier-free guidance at sampling time.",
         ]
+    if settings.takes_image:
+        about += [
+            "",
+            f"It turns an image into a video, as the teacher does: every call of `{settings.pipeline_class}`",
+            "takes the first frame as `image=` (resized to height x width by the pipeline, as in training).",
+        ]
     body = [
-        f"# Wan 2.2 T2V distilled student ({what})",
+        f"# Wan 2.2 {'I2V' if settings.takes_image else 'T2V'} distilled student ({what})",
         "",
         *about,
         "",
         "## Sampling",
         "",
-        f"Do not use WanPipeline's defaults ({WAN_DEFAULTS}). {_guidance_advice(settings)}",
-        "WanPipeline uses no attention mask over the padded prompt, so another max_sequence_length",
+        f"Do not use {settings.pipeline_class}'s defaults ({WAN_DEFAULTS}). {_guidance_advice(settings)}",
+        f"{settings.pipeline_class} uses no attention mask over the padded prompt, so another max_sequence_length",
         "gives another output. This is the call it was trained for:",
         "",
         "```python",
@@ -232,7 +247,9 @@ def model_card_text(
         "untested (and sizes beyond its rope_max_seq_len fail)",
         f"- sampler: {sampler}",
         "",
-        '`python -m distill.generate --student FOLDER --prompt "..." --output out.png` of the wan-distill',
+        '`python -m distill.generate --student FOLDER --prompt "..."'
+        + (" --image first_frame.png" if settings.takes_image else "")
+        + " --output out.png` of the wan-distill",
         "project uses these values by default (from `run_settings.json` in this folder).",
         "",
         "## Training",

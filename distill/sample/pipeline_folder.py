@@ -1,6 +1,8 @@
-"""`<output_dir>/pipeline/`: a folder `WanPipeline.from_pretrained` loads as it is, holding the
-student as its transformer and links to the teacher's text encoder, tokenizer and VAE, so nothing
-of the teacher is copied."""
+"""`<output_dir>/pipeline/`: a folder the teacher's stock pipeline class (`WanPipeline`, or
+`WanImageToVideoPipeline` for an image-to-video teacher) loads with `from_pretrained` as it is,
+holding the student as its transformer and links to the teacher's text encoder, tokenizer and VAE,
+so nothing of the teacher is copied. The same links make a LoRA run's merged/ experts of an
+image-to-video teacher a pipeline folder too."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from distill.models.pipelines import scheduler_from_config
 from distill.ops.errors import DistillError, Stage
 
 SHARED_COMPONENTS = ("text_encoder", "tokenizer", "vae", "scheduler")
+INDEX = "model_index.json"
 
 
 def write_pipeline_folder(
@@ -22,19 +25,21 @@ def write_pipeline_folder(
     student_dir: str | Path,
     scheduler_config: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write `<output_dir>/pipeline/` so `WanPipeline.from_pretrained(<output_dir>/pipeline)` loads the student.
+    """Write `<output_dir>/pipeline/` so `<pipeline class>.from_pretrained(<output_dir>/pipeline)`
+    loads the student.
 
     The folder holds a model_index.json (the teacher's, with `transformer_2` and `boundary_ratio`
-    removed) and symbolic links: `transformer` -> the student folder (relative, so the run folder
-    can be moved), and text_encoder / tokenizer / vae / scheduler -> the teacher's folders
-    (absolute), so nothing of the teacher is copied. diffusers follows the links like folders.
-    It stops working if the teacher folder moves; `distill.generate` keeps working then.
-    `scheduler_config` (with `_class_name`), when given, is the student's own sampler: written into
-    pipeline/scheduler/ instead of linking the teacher's.
+    removed; its `_class_name` and the image-to-video teacher's null image_encoder /
+    image_processor kept as they are) and symbolic links: `transformer` -> the student folder
+    (relative, so the run folder can be moved), and text_encoder / tokenizer / vae / scheduler ->
+    the teacher's folders (absolute), so nothing of the teacher is copied. diffusers follows the
+    links like folders. It stops working if the teacher folder moves; `distill.generate` keeps
+    working then. `scheduler_config` (with `_class_name`), when given, is the student's own
+    sampler: written into pipeline/scheduler/ instead of linking the teacher's.
     """
     output_dir, student_dir = Path(output_dir), Path(student_dir)
     teacher = Path(teacher_path).resolve()
-    index = json.loads((teacher / "model_index.json").read_text())
+    index = json.loads((teacher / INDEX).read_text())
     index["transformer_2"] = [None, None]
     index["boundary_ratio"] = None
     folder = output_dir / "pipeline"
@@ -42,29 +47,64 @@ def write_pipeline_folder(
     _remove(staging)
     staging.mkdir(parents=True)
     try:
-        for name in SHARED_COMPONENTS:
-            if name == "scheduler" and scheduler_config is not None:
-                scheduler = scheduler_from_config(scheduler_config)
-                scheduler.save_pretrained(staging / name)
-                index[name] = ["diffusers", type(scheduler).__name__]
-            else:
-                os.symlink(teacher / name, staging / name, target_is_directory=True)
+        index.update(link_shared_components(staging, teacher, scheduler_config))
         # Relative to where the link will live once the folder is renamed into place.
         target = os.path.relpath(student_dir.resolve(), output_dir.resolve() / "pipeline")
         os.symlink(target, staging / "transformer", target_is_directory=True)
-        (staging / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _write_index(staging, index)
     except OSError as exc:
         _remove(staging)
-        raise DistillError(
-            f"cannot write {folder}",
-            f"{type(exc).__name__}: {exc}",
-            causes=["the file system does not support symbolic links"],
-            fixes=["use python -m distill.generate, which needs no pipeline folder"],
-            stage=Stage.CHECKPOINT,
-        ) from None
+        raise _no_links(folder, exc) from None
     _remove(folder)
     os.replace(staging, folder)
     return folder
+
+
+def make_pipeline_of_experts(
+    folder: str | Path, teacher_path: str | Path, scheduler_config: Mapping[str, Any] | None = None
+) -> Path:
+    """Turn `folder`, which holds transformer/ and transformer_2/ (the experts with a LoRA run's
+    adapters merged in), into a folder the teacher's pipeline class loads: the teacher's
+    model_index.json (both experts, its boundary) and links to its shared components, with the
+    run's own scheduler when it has one (as `write_pipeline_folder`)."""
+    folder, teacher = Path(folder), Path(teacher_path).resolve()
+    index = json.loads((teacher / INDEX).read_text())
+    try:
+        index.update(link_shared_components(folder, teacher, scheduler_config))
+        _write_index(folder, index)
+    except OSError as exc:
+        raise _no_links(folder, exc) from None
+    return folder
+
+
+def link_shared_components(
+    folder: Path, teacher: Path, scheduler_config: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """Link the teacher's shared components into `folder` (the scheduler written instead when
+    `scheduler_config` is given); returns the model_index.json entries that change."""
+    changed: dict[str, Any] = {}
+    for name in SHARED_COMPONENTS:
+        if name == "scheduler" and scheduler_config is not None:
+            scheduler = scheduler_from_config(scheduler_config)
+            scheduler.save_pretrained(folder / name)
+            changed[name] = ["diffusers", type(scheduler).__name__]
+        else:
+            os.symlink(teacher / name, folder / name, target_is_directory=True)
+    return changed
+
+
+def _write_index(folder: Path, index: Mapping[str, Any]) -> None:
+    (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _no_links(folder: Path, exc: OSError) -> DistillError:
+    return DistillError(
+        f"cannot write {folder}",
+        f"{type(exc).__name__}: {exc}",
+        causes=["the file system does not support symbolic links"],
+        fixes=["use python -m distill.generate, which needs no pipeline folder"],
+        stage=Stage.CHECKPOINT,
+    )
 
 
 def _remove(path: Path) -> None:

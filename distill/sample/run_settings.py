@@ -23,14 +23,19 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from distill.models.teacher_kind import T2V_A14B
 from distill.ops.errors import DistillError, Stage
 
 RUN_SETTINGS_FILE = "run_settings.json"
+TEXT_TO_VIDEO_PIPELINE = "WanPipeline"
+IMAGE_TO_VIDEO_PIPELINE = "WanImageToVideoPipeline"
 FORMAT_VERSION = 1
 # Hub repositories the teacher may have come from, by folder name (download_wan.py keeps the name).
 KNOWN_TEACHERS = {
     "Wan2.2-T2V-A14B-Diffusers": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
     "Wan2.2-T2V-A14B": "Wan-AI/Wan2.2-T2V-A14B",
+    "Wan2.2-I2V-A14B-Diffusers": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+    "Wan2.2-I2V-A14B": "Wan-AI/Wan2.2-I2V-A14B",
 }
 # huggingface_hub's cache folder of a repo: models--ORG--NAME (hub names never hold "--").
 _HUB_CACHE_FOLDER = re.compile(r"^models--(?P<org>.+?)--(?P<name>.+)$")
@@ -82,9 +87,22 @@ class RunSettings:
     """Optimizer steps the exported weights have seen."""
     format: int = FORMAT_VERSION
     """Version of this file's layout."""
+    pipeline_class: str = TEXT_TO_VIDEO_PIPELINE
+    """The stock diffusers pipeline that samples the student: WanPipeline (text to video), or
+    WanImageToVideoPipeline (image to video: every call takes `image=`, the video's first frame)."""
+
+    @property
+    def takes_image(self) -> bool:
+        """Whether the student turns an image into a video (its pipeline needs `image=`)."""
+        return self.pipeline_class == IMAGE_TO_VIDEO_PIPELINE
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        values = asdict(self)
+        if self.pipeline_class == TEXT_TO_VIDEO_PIPELINE:
+            # Written only when it says something: a text-to-video run's file stays what it always
+            # was, and a file without it reads as WanPipeline.
+            del values["pipeline_class"]
+        return json.dumps(values, indent=2, sort_keys=True) + "\n"
 
 
 def teacher_hub_id(source: str, resolved: str | Path) -> str | None:
@@ -132,6 +150,8 @@ def settings_from_run(cfg: Any, info: Any, trained_steps: int, **method: Any) ->
         "teacher_sample_steps": cfg.teacher_sample_steps,
         "sample_seed": cfg.sample_seed,
         "trained_steps": trained_steps,
+        # The teacher's kind (read from its files) decides the student's stock pipeline.
+        "pipeline_class": getattr(info, "kind", T2V_A14B).pipeline_class,
     }
     unknown = set(method) - {f.name for f in fields(RunSettings)}
     if unknown:

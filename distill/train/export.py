@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distill.models.conditioning import condition_channels
 from distill.models.lora import EXPERTS, AdapterModel
 from distill.models.lora_files import merged_state, write_lora_folder, write_merged_experts
 from distill.models.original.export import export_original
@@ -156,6 +157,8 @@ def export_lora(loop: TrainingLoop, student: AdapterModel) -> tuple[Path | None,
         )
         document_export(loop.output_dir, settings, lora_dir, ema_dir, student_kind="lora")
         logger.info("LoRA adapters for both experts in %s (diffusers and comfyui/ key formats)", lora_dir)
+        if settings.takes_image and "merged" in loop.cfg.export_formats.split(","):
+            merged_pipeline(loop, settings.pipeline_class, settings.scheduler)
     dist_utils.barrier()
     return lora_dir, ema_dir
 
@@ -167,7 +170,8 @@ def write_adapters(loop: TrainingLoop, student: AdapterModel) -> tuple[Path, Pat
 
     def write(folder: Path) -> Path:
         with exporting(folder, loop):
-            out = write_lora_folder({which: student.state(which) for which in EXPERTS}, shape, folder)
+            states = {which: student.state(which) for which in EXPERTS}
+            out = write_lora_folder(states, shape, folder, kind=loop.distiller.info.kind)
             if scheduler is not None:
                 scheduler.save_pretrained(out)
         return out
@@ -206,16 +210,40 @@ def export_merged(loop: TrainingLoop, student: AdapterModel) -> None:
             loop.ema.restore(params)
 
 
+def merged_pipeline(loop: TrainingLoop, pipeline_class: str, scheduler: dict[str, Any] | None) -> None:
+    """merged/ of an image-to-video teacher as a folder its pipeline class loads (rank 0): the
+    teacher's model_index.json and links to its text encoder, tokenizer and VAE beside the experts,
+    so nothing else is needed to turn an image into a video with them."""
+    from distill.sample.pipeline_folder import make_pipeline_of_experts
+
+    folder = loop.output_dir / "merged"
+    try:
+        make_pipeline_of_experts(folder, loop.distiller.info.path, scheduler)
+    except DistillError as exc:  # e.g. no symlinks on this file system: the experts themselves are fine
+        logger.warning("merged/ holds the experts only: %s", exc.title)
+        return
+    logger.info(
+        "%s.from_pretrained(%r) loads the merged experts with the teacher's text encoder and VAE "
+        "(pass image=, the first frame)",
+        pipeline_class,
+        str(folder),
+    )
+
+
 def write_pipeline(loop: TrainingLoop, student_dir: Path, scheduler: dict[str, Any] | None) -> Path | None:
-    """<output_dir>/pipeline/: WanPipeline.from_pretrained-ready, linking the teacher's parts (no copies)."""
+    """<output_dir>/pipeline/: ready for the teacher's pipeline class (WanPipeline, or
+    WanImageToVideoPipeline) from_pretrained, linking the teacher's parts (no copies)."""
     from distill.sample.pipeline_folder import write_pipeline_folder
 
+    kind = loop.distiller.info.kind
     try:
         path = write_pipeline_folder(loop.output_dir, loop.distiller.info.path, student_dir, scheduler)
         logger.info(
-            "WanPipeline.from_pretrained(%r) loads the student with the teacher's text encoder and VAE "
-            "(sample it as its README.md shows)",
+            "%s.from_pretrained(%r) loads the student with the teacher's text encoder and VAE "
+            "(sample it as its README.md shows%s)",
+            kind.pipeline_class,
             str(path),
+            "; pass image=, the first frame" if condition_channels(kind) else "",
         )
         return path
     except DistillError as exc:  # e.g. no symlinks on this file system: the student itself is fine

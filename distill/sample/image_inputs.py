@@ -1,0 +1,148 @@
+"""The image each prompt's video starts from, for the commands that sample an image-to-video
+student or teacher (`distill.generate`, `distill.evaluate`).
+
+An image comes from `--image` (one image for every prompt) or from a prompts file that pairs each
+prompt with its image (distill/data/images.py reads it: .jsonl, .csv, .tsv, image paths relative
+to the file). Every image is read and brought to the sample's size before any model loads, exactly
+as stock `WanImageToVideoPipeline` preprocesses it (diffusers' VideoProcessor), so a missing or
+unreadable image is a banner naming the flag (and the file and line), never a traceback after the
+models have loaded. A text-to-video teacher given an image is refused rather than left to ignore it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from distill.data.images import PAIRED_SUFFIXES, PAIRING_FIX, ImagePreprocessor, read_image_prompts
+from distill.data.samples import read_training_samples, takes_images
+from distill.models.teacher_kind import I2V_A14B, TeacherKind
+from distill.ops.errors import DistillError, Stage
+
+IMAGE_FIX = "pass --image FIRST_FRAME.png: the image every prompt's video starts from"
+
+
+def pairs_images(prompts_file: str | Path | None, flag: str = "--prompts_file") -> bool:
+    """Whether a prompts file pairs prompts with images (a .jsonl / .csv / .tsv record with an image)."""
+    from distill.data.prompts import read_prompt_records
+
+    if prompts_file is None or Path(prompts_file).suffix.lower() not in PAIRED_SUFFIXES:
+        return False
+    records = read_prompt_records(prompts_file, flag)
+    return any(isinstance(r.fields.get("image"), str) and r.fields["image"].strip() for r in records)
+
+
+def refuse_image_for_text_teacher(kind: TeacherKind, image: str | None, teacher: str | Path) -> None:
+    """`--image` with a text-to-video teacher: said, rather than the image silently dropped."""
+    if image is None or takes_images(kind):
+        return
+    raise DistillError(
+        f"--image {image}: the teacher {teacher} is {kind.model}, which generates from text only",
+        "The image would be ignored: neither that teacher nor a student distilled from it starts a "
+        "video from an image.",
+        fixes=[
+            "leave out --image",
+            f"to turn an image into a video, pass a student distilled from {I2V_A14B.model} "
+            "(its run_settings.json names that teacher) or --teacher_path of that teacher",
+        ],
+        stage=Stage.ARGV,
+    )
+
+
+def prompt_images(
+    kind: TeacherKind,
+    teacher: str | Path,
+    flag_prompts: int,
+    image: str | None,
+    prompts_file: str | Path | None,
+    height: int,
+    width: int,
+    vae_scale_factor: int,
+    file_flag: str = "--prompts_file",
+    image_flag: str | None = "--image",
+) -> list[torch.Tensor] | None:
+    """The preprocessed image of every prompt, (1, 3, height, width) float32 in [-1, 1], in the order
+    the prompts were collected (the `flag_prompts` --prompt ones first, then the file's); None for a
+    text-to-video teacher (which is refused any image).
+
+    `--image` gives the image of every prompt; a prompts file that pairs images gives its own, and
+    then --image is refused (two sources for the same prompts' images). A command without --image
+    (`image_flag` None) takes the images from the prompts file alone.
+    """
+    refuse_image_for_text_teacher(kind, image, teacher)
+    if not takes_images(kind):
+        if prompts_file is not None:  # a file pairing images, for a teacher that takes none: refused
+            read_training_samples(prompts_file, kind, flag=file_flag)
+        return None
+    paired = pairs_images(prompts_file, file_flag)
+    if paired and image is not None:
+        raise DistillError(
+            f"--image {image} and {file_flag} {prompts_file} both give the prompts' images",
+            f"{file_flag} {prompts_file} pairs each of its prompts with an image; --image would give "
+            "them another one.",
+            fixes=[
+                f"leave out --image to use the images {prompts_file} names",
+                f"or pass a prompts file without images (a .txt file) with --image {image}",
+            ],
+            stage=Stage.ARGV,
+        )
+    if image is None and not paired and image_flag is None:
+        read_image_prompts(prompts_file, file_flag)  # says why the file pairs no images, with its line
+    if image is None and not paired:
+        raise DistillError(
+            f"--image is required: the teacher {teacher} is {kind.model}, which turns an image into a video",
+            "No image given (neither --image nor a prompts file that pairs images): every video "
+            "starts from one.",
+            fixes=[IMAGE_FIX, f"or {PAIRING_FIX}, passed with {file_flag}"],
+            stage=Stage.ARGV,
+        )
+    if paired and flag_prompts:
+        raise DistillError(
+            f"--prompt has no image: {file_flag} {prompts_file} pairs its own prompts with images",
+            "A prompt given with --prompt beside a file that pairs images has none of its own.",
+            fixes=[f"add the prompt with its image to {prompts_file}", "or leave out --prompt"],
+            stage=Stage.ARGV,
+        )
+    preprocess = ImagePreprocessor(height, width, vae_scale_factor, flag=file_flag)
+    if paired:
+        # Every image checked (missing, not an image, damaged) naming the file and its line.
+        return [preprocess(pair) for pair in read_image_prompts(prompts_file, file_flag)]
+    assert image is not None
+    one = flag_image(image, preprocess)
+    count = flag_prompts + (count_prompts(prompts_file, file_flag) if prompts_file is not None else 0)
+    return [one] * count
+
+
+def count_prompts(prompts_file: str | Path, flag: str) -> int:
+    from distill.data.prompts import read_prompts
+
+    return len(read_prompts(prompts_file, flag))
+
+
+def flag_image(image: str, preprocess: ImagePreprocessor, flag: str = "--image") -> torch.Tensor:
+    """The image `--image` names, read as diffusers' load_image reads it and preprocessed as the
+    stock pipeline does; a missing, damaged or non-image file is refused naming the flag."""
+    from diffusers.utils import load_image
+
+    path = Path(image).expanduser()
+    problem = "is a folder, not an image file" if path.is_dir() else "" if path.is_file() else "not found"
+    fix = "pass the image the video starts from (a .png, .jpg or .webp file)"
+    if problem:
+        raise DistillError(f"{flag} {image}: {problem}", fixes=[fix], stage=Stage.ARGV)
+    try:
+        picture = load_image(str(path))
+    except (OSError, ValueError, SyntaxError, RuntimeError, IndexError) as exc:
+        raise DistillError(
+            f"{flag} {image}: not an image that can be read",
+            f"{type(exc).__name__}: {exc}",
+            fixes=["replace it with a complete image file", fix],
+            stage=Stage.DATA,
+        ) from None
+    return preprocess.processor.preprocess(picture, height=preprocess.height, width=preprocess.width).float()
+
+
+def images_of(images: Sequence[torch.Tensor] | None, index: int) -> torch.Tensor | None:
+    """Prompt `index`'s image, or None for a teacher that takes none."""
+    return None if images is None else images[index]
