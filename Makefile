@@ -90,7 +90,7 @@ toy-stage1-clips: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests test_error_handling.py
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests test_error_handling.py
 
 # On a CUDA machine, what CI cannot run: the gpu-marked tests, the two-rank sharded LoRA run on NCCL
 # (two GPUs or more), distill.bench at the 1.3B preset eager and compiled, and the teacher streamed from

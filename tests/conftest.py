@@ -51,6 +51,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_worker():
+    """Every test computes on one thread: `make test` runs two workers on two cores, and a worker
+    training on two threads while the other worker computes ran 10-20x slower than on one (a
+    200-step tiny run took 232 s instead of 13 s: the threads wait on each other). Subprocesses get
+    OMP_NUM_THREADS=1 from the Makefile."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """For modules that train the toy models (`pytestmark = pytest.mark.usefixtures("one_thread")`):

@@ -146,7 +146,7 @@ def test_the_caches_hold_the_stock_pipelines_image_condition_and_clean_latents(w
 @pytest.mark.parametrize(
     "method",
     [
-        dict(),  # velocity into the smaller 36-channel student
+        dict(export_formats="diffusers,original"),  # velocity into the smaller 36-channel student
         dict(
             method="dmd",
             student_lora_rank=4,
@@ -179,6 +179,17 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_same_weights(world, tmp_path, m
     if not lora:
         config = json.loads((out / "student" / "config.json").read_text())
         assert (config["in_channels"], config["out_channels"]) == (36, 16)
+        # The original-layout export says what Wan's own code must build: an i2v model of 36 channels.
+        from diffusers import WanTransformer3DModel
+        from safetensors import safe_open
+
+        single = out / "student_original.safetensors"
+        with safe_open(str(single), "pt") as handle:
+            original = json.loads(handle.metadata()["config"])
+        assert (original["model_type"], original["in_dim"], original["out_dim"]) == ("i2v", 36, 16)
+        reloaded = WanTransformer3DModel.from_single_file(str(single), config=str(out / "student"))
+        exported = load_file(str(out / "student" / "diffusion_pytorch_model.safetensors"))
+        assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in exported.items())
 
 
 # ---------------------------------------------------------------------------------------------

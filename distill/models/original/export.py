@@ -21,6 +21,7 @@ from distill.models.original.detect import (
     expert_shards,
 )
 from distill.models.original.keymaps import t5_to_original, transformer_to_original, vae_to_original
+from distill.models.student_kind import config_kind
 from distill.models.teacher_kind import T2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
 
@@ -89,7 +90,13 @@ def export_original(student: Any, out_file: str | Path) -> Path:
     from safetensors.torch import save_file
 
     config, state = _student_weights(student)
-    metadata = {"format": "pt", "config": json.dumps(original_expert_config(config))}
+    # The model type Wan's code reads from the config: the one whose input the student takes
+    # (a 36-channel student is an image-to-video model, "i2v").
+    kind = config_kind(config) or T2V_A14B
+    metadata = {
+        "format": "pt",
+        "config": json.dumps(original_expert_config(config, kind.original_model_type)),
+    }
     tensors = _plain(transformer_to_original(state))
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
