@@ -31,6 +31,10 @@ from distill.models.teacher_kind import I2V_A14B, T2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
 
 logger = logging.getLogger(__name__)
+# The image-to-video pipeline's module imports transformers' CLIP image processor, whose first use
+# warns that torchvision is missing; the A14B models use no image encoder, so the warning (of
+# transformers' import machinery, which says nothing else at run time) only misleads.
+logging.getLogger("transformers.utils.import_utils").setLevel(logging.ERROR)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,18 +219,10 @@ def check_sample_size(
 
 def stock_pipeline_class(kind: TeacherKind) -> Any:
     """The diffusers pipeline class of `kind`, imported by name (only an image-to-video run imports
-    its module). That module imports transformers' CLIP image processor, which warns that torchvision
-    is missing although the A14B models use no image encoder: the import runs with transformers'
-    warnings off."""
+    its module)."""
     import diffusers
-    from transformers.utils import logging as transformers_logging
 
-    verbosity = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()
-    try:
-        return getattr(diffusers, kind.pipeline_class)
-    finally:
-        transformers_logging.set_verbosity(verbosity)
+    return getattr(diffusers, kind.pipeline_class)
 
 
 def student_pipeline(
