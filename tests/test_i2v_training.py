@@ -261,14 +261,22 @@ def test_a_damaged_image_is_named_with_its_line_and_what_was_cached_stays(world,
     assert not list(cache.rglob("*.tmp"))
 
 
-def test_samples_while_training_are_refused_for_image_to_video_before_anything_loads(world, tmp_path, capsys):
-    out, cache = tmp_path / "out", tmp_path / "cache"
-    assert train(args_for(world, out, cache_dir=cache, save_samples=True)) == 3
+def test_samples_and_reports_while_training_start_each_prompt_from_its_image(world, tmp_path, capsys):
+    """The monitor samples held-out pairs: teacher and student from the same image and noise, the
+    report's probes conditioned on it; without a paired file there is nothing to start from."""
+    held = write_pairs(tmp_path / "held", count=2)
+    out = tmp_path / "out"
+    monitor = dict(save_samples=True, sample_interval=2, sample_steps=2, eval_interval=2, num_steps=2)
+    assert train(args_for(world, out, sample_prompts=held, **monitor)) == 0
+    suffixes = sorted(p.name for p in (out / "samples").iterdir())
+    assert "teacher_prompt_01.mp4" in suffixes and "step_00000002_prompt_01.mp4" in suffixes
+    report = json.loads((out / "eval" / "step_00000002" / "eval.json").read_text())
+    assert report["num_prompts"] == 2 and report["sampler"] and report["denoiser"]
+    none = tmp_path / "none"
+    assert train(args_for(world, none, cache_dir=tmp_path / "cache", save_samples=True)) == 3
     err = banner(capsys)
-    assert (
-        "--save_samples" in err and "Wan2.2-I2V-A14B" in err and "python -m distill.generate --image" in err
-    )
-    assert not out.exists() and not cache.exists()
+    assert "--sample_prompts: an image-to-video teacher (Wan2.2-I2V-A14B)" in err and '"image"' in err
+    assert not none.exists()
 
 
 def test_a_text_to_video_run_reads_and_calls_exactly_what_it_did_before(tiny_teacher):

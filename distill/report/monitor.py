@@ -27,14 +27,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from distill.data.dataset import pad_embedding
-from distill.data.prompts import read_prompts
 from distill.models.pipelines import (
     decode_with_teacher_vae,
     initial_noise,
@@ -46,11 +45,15 @@ from distill.models.teacher import TeacherInfo
 from distill.ops.errors import DistillError, Stage
 from distill.report.measures import (
     EvalSettings,
-    TeacherReference,
     build_reference,
     compare_student,
+    image_vae,
     student_sampler,
 )
+from distill.report.prompt_sets import DEFAULT_SAMPLE_PROMPTS, PromptSet, read_prompt_set
+
+# DEFAULT_SAMPLE_PROMPTS is re-exported: the tests import it from here.
+__all__ = ["DEFAULT_SAMPLE_PROMPTS", "EvalOutput", "SampleMonitor", "SampleSettings", "sampling_weights"]
 from distill.report.summary import flat_metrics, gather_and_write
 from distill.sample.media import (
     first_frames,
@@ -66,7 +69,6 @@ from distill.sample.media import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "sample_prompts.txt"
 LOSS_PLOT_MIN_SECONDS = 10.0
 
 
@@ -197,13 +199,6 @@ class EvalOutput(NamedTuple):
     metrics: dict[str, float]
 
 
-@dataclass(eq=False)  # compared by identity: the sample and eval sets may be one object
-class _PromptSet:
-    prompts: list[str]
-    conds: dict[int, torch.Tensor] = field(default_factory=dict)
-    reference: TeacherReference | None = None
-
-
 @contextlib.contextmanager
 def sampling_weights(student: torch.nn.Module, ema: Any = None) -> Iterator[torch.nn.Module]:
     """The plain student module in eval mode, holding the EMA weights if `ema` is given; restored after.
@@ -224,20 +219,6 @@ def sampling_weights(student: torch.nn.Module, ema: Any = None) -> Iterator[torc
         if ema is not None:
             ema.restore(params)
         model.train(was_training)
-
-
-def _read_prompt_file(path: str | Path, flag: str) -> list[str]:
-    path = Path(path)
-    shipped = DEFAULT_SAMPLE_PROMPTS.parents[1] / path
-    if not path.is_file() and not path.is_absolute() and shipped.is_file():
-        path = shipped  # "data/sample_prompts.txt" also works when launched from another folder
-    if not path.is_file():
-        raise DistillError(
-            f"--{flag} {path}: file not found",
-            fixes=[f"check the path, or leave --{flag} out to use {DEFAULT_SAMPLE_PROMPTS.name} (held out)"],
-            stage=Stage.CONFIG,
-        )
-    return read_prompts(path, f"--{flag}")
 
 
 class SampleMonitor:
@@ -262,12 +243,15 @@ class SampleMonitor:
         self.device = device
         self.rank, self.world_size, self.barrier = rank, world_size, barrier
         self.is_main = rank == 0
-        self.samples = _PromptSet(
-            _read_prompt_file(settings.sample_prompts or DEFAULT_SAMPLE_PROMPTS, "sample_prompts")
-        )
+        # Only the files a run uses are read (an image-to-video run has no default to fall back on).
+        size = (info, settings.height, settings.width)
+        own_evals = settings.eval_prompts is not None
+        self.samples = PromptSet([])
+        if settings.save_samples or (settings.eval_interval > 0 and not own_evals):
+            self.samples = read_prompt_set(settings.sample_prompts, "sample_prompts", *size)
         self.evals = self.samples
-        if settings.eval_prompts:
-            self.evals = _PromptSet(_read_prompt_file(settings.eval_prompts, "eval_prompts"))
+        if own_evals:
+            self.evals = read_prompt_set(settings.eval_prompts, "eval_prompts", *size)
         self.latent_shape = info.latent_shape(settings.height, settings.width, settings.num_frames)
         self._scheduler = None
         self.teacher_files: list[Path] = []
@@ -326,6 +310,7 @@ class SampleMonitor:
                 rank=self.rank,
                 world_size=self.world_size,
                 with_probes=with_probes,
+                images=prompt_set.images,
             )
         if not self.settings.save_samples:
             return []
@@ -340,7 +325,7 @@ class SampleMonitor:
         self._teacher_previews = self._collect_previews(None)
         return self.teacher_files
 
-    def _fill_conds(self, prompt_set: _PromptSet, embeddings: Any) -> None:
+    def _fill_conds(self, prompt_set: PromptSet, embeddings: Any) -> None:
         mine = {index for index, _ in rank_share(len(prompt_set.prompts), self.rank, self.world_size)}
         length = self.settings.max_sequence_length
         prompt_set.conds = {i: pad_embedding(embeddings.get(prompt_set.prompts[i]), length) for i in mine}
@@ -393,6 +378,13 @@ class SampleMonitor:
         """The student's final latents from the teacher references' noise: with the teacher's scheduler
         at sample_steps, or a dmd student's own K-step sampler (distill.models.few_step.sample_few_step)."""
         settings = self.settings
+        if self.samples.images is not None:  # image to video: each prompt from its own image
+            steps = settings.student_steps if settings.few_step else settings.sample_steps
+            with image_vae(self.info, self.samples.images, self.device) as vae:
+                run = student_sampler(
+                    model, self.info, self.samples.conds, settings.eval_settings(), self.samples.images, vae
+                )
+                return [run(index, steps) for index, keep in self.samples.reference.items if keep]
         if settings.few_step:
             run = student_sampler(model, self.info, self.samples.conds, settings.eval_settings())
             steps = settings.student_steps
@@ -458,6 +450,7 @@ class SampleMonitor:
                 self.evals.prompts,
                 self.settings.eval_settings(),
                 self.device,
+                images=self.evals.images,
             )
         out_dir = self.eval_dir / f"step_{step:08d}"
         result = gather_and_write(

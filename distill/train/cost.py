@@ -56,7 +56,7 @@ class RunCounts:
         """Read the prompt files as the trainer does (--max_prompts, --reference_prompts, the sample
         and evaluation prompt files)."""
         from distill.data.prompts import read_prompts, reference_prompts
-        from distill.report.monitor import DEFAULT_SAMPLE_PROMPTS
+        from distill.report.prompt_sets import DEFAULT_SAMPLE_PROMPTS
         from distill.train.methods import method_class
 
         prompts = read_prompts(cfg.data_path)[: cfg.max_prompts]

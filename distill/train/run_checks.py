@@ -1,5 +1,5 @@
-"""Checks a run makes before anything heavy loads: adapter ranks, the training size, and that the
-data suits the teacher's kind (an image-to-video run), plus what the teacher load is staggered by."""
+"""Checks a run makes before anything heavy loads (adapter ranks, the training size), and what the
+teacher load is staggered by."""
 
 from __future__ import annotations
 
@@ -54,26 +54,3 @@ def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[s
             ),
         ],
     )
-
-
-def check_image_run(cfg: TrainConfig, info: TeacherInfo) -> None:
-    """What an image-to-video run cannot do yet is refused before anything loads: the samples and
-    reports made while training (--save_samples, --eval_interval) render text-only prompt files."""
-    from distill.data.samples import takes_images
-
-    if not takes_images(info.kind):
-        return
-    given = [
-        flag
-        for flag, on in (("--save_samples", cfg.save_samples), ("--eval_interval", cfg.eval_interval > 0))
-        if on
-    ]
-    if given:
-        raise DistillError(
-            f"{' and '.join(given)}: samples and reports while training are not made for an "
-            f"image-to-video teacher ({info.kind.model}) by this version",
-            "They render prompts without images; the student's pictures after training are made by "
-            "python -m distill.generate --image and scored by python -m distill.evaluate.",
-            fixes=[f"leave out {' and '.join(given)} for this run"],
-            stage=Stage.CONFIG,
-        )

@@ -62,7 +62,6 @@ from distill.train.methods import method_class
 from distill.train.plan import choose_placement, run_plan
 from distill.train.run_checks import (
     available_host_memory,
-    check_image_run,
     check_lora_ranks,
     check_resolution,
 )
@@ -119,7 +118,6 @@ class Distiller:
                 Stage.CONFIG,
             )
         check_resolution(cfg, self.info, self.student_config)
-        check_image_run(cfg, self.info)
         # A prompt per sample, with its image for an image-to-video teacher (read as its kind needs).
         self.samples = read_training_samples(cfg.data_path, self.info.kind, cfg.max_prompts)
         self.prompts = [sample.prompt for sample in self.samples]
