@@ -43,8 +43,11 @@ def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> to
     return (1.0 - sigma) * x0 + sigma * noise
 
 
-def high_noise_mask(timesteps: torch.Tensor, boundary_ratio: float) -> torch.Tensor:
-    """True where the high-noise expert (`transformer`) handles the sample, as in WanPipeline."""
+def high_noise_mask(timesteps: torch.Tensor, boundary_ratio: float | None) -> torch.Tensor:
+    """True where the high-noise expert (`transformer`) handles the sample, as in WanPipeline; with
+    no boundary (a model with one transformer) `transformer` handles every sample."""
+    if boundary_ratio is None:
+        return torch.ones(timesteps.shape, dtype=torch.bool, device=timesteps.device)
     return timesteps >= boundary_ratio * NUM_TRAIN_TIMESTEPS
 
 

@@ -1,6 +1,6 @@
-"""The teacher as every method queries it: the two frozen experts routed by timestep, each with its
-classifier-free guidance, a condition (an image's latent for image to video) entering each forward
-through the conditioning layer (distill/models/conditioning.py)."""
+"""The teacher as every method queries it: its frozen experts routed by timestep (two, or one with
+no boundary), each with its classifier-free guidance, a condition (an image's latent for image to
+video) entering each forward through the conditioning layer (distill/models/conditioning.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,18 @@ from distill.models.teacher_kind import T2V_A14B, TeacherKind
 
 
 class GuidedTeacher:
-    """The two frozen experts, routed by timestep, returning classifier-free-guided velocities."""
+    """The frozen experts, routed by timestep, returning classifier-free-guided velocities.
+
+    Two experts (the A14B models): `high` while t >= boundary_ratio * 1000, `low` below. One
+    transformer (TI2V-5B): `low` and `boundary_ratio` None, and `high` takes every sample with
+    `guidance_high`, as the stock pipelines run a model with no `transformer_2` and no boundary.
+    """
 
     def __init__(
         self,
         high: Any,
-        low: Any,
-        boundary_ratio: float,
+        low: Any | None,
+        boundary_ratio: float | None,
         guidance_high: float,
         guidance_low: float,
         device: torch.device,
@@ -29,6 +34,11 @@ class GuidedTeacher:
         lockstep: bool = False,
         kind: TeacherKind = T2V_A14B,
     ) -> None:
+        if (low is None) != (boundary_ratio is None):
+            raise ValueError(
+                "a second expert needs a boundary and one transformer has none: got "
+                f"low={'None' if low is None else 'an expert'}, boundary_ratio={boundary_ratio}"
+            )
         self.high, self.low = high, low
         # Which model the experts are: how a condition enters their input (models/conditioning.py).
         self.kind = kind
@@ -58,44 +68,34 @@ class GuidedTeacher:
         only (uncond + 1 * (cond - uncond) is cond: the unconditional half would be thrown away).
         `experts_needed` = (high, low) says whether ANY rank needs each expert this step; in lockstep
         mode a rank with no sample for a needed expert joins its collectives with a one-token
-        placeholder (distill/models/lockstep.py) and drops the result.
-        `condition` holds what the teacher's kind adds to each sample's input (the I2V image: mask and
+        placeholder (distill/models/lockstep.py) and drops the result. With one transformer the
+        second entry is ignored.
+        `condition` holds what the teacher's kind adds to each sample's input (the image: mask and
         image latent, on the device); its rows go with the batch's, and the conditional and
-        unconditional passes see the same condition, as in the stock pipelines.
+        unconditional passes see the same condition, as in the stock pipelines. The timestep each
+        expert sees is the kind's (one per sample, or one per token for TI2V-5B).
         """
         out = torch.empty(x_t.shape, dtype=torch.float32, device=x_t.device)
+        # No boundary: every sample is the one transformer's (`high`); `~is_high` is then empty.
         is_high = high_noise_mask(timesteps, self.boundary_ratio)
         needed = (
             experts_needed if experts_needed is not None else (bool(is_high.any()), bool((~is_high).any()))
         )
-        for expert, scale, mask, anywhere in (
-            (self.high, self.guidance_high, is_high, needed[0]),
-            (self.low, self.guidance_low, ~is_high, needed[1]),
-        ):
+        routes = [(self.high, self.guidance_high, is_high, needed[0])]
+        if self.low is not None:
+            routes.append((self.low, self.guidance_low, ~is_high, needed[1]))
+        for expert, scale, mask, anywhere in routes:
             rows = mask.nonzero().flatten()
             if rows.numel() == 0:
                 if self.lockstep and anywhere:
-                    # The first sample's whole input (condition channels included), cut to one token.
-                    first = torch.zeros(1, dtype=torch.long, device=x_t.device)
-                    x = self._input(x_t[:1], condition, first)
-                    x, t, text = one_token_inputs(
-                        x,
-                        model_timestep(self.kind, timesteps[:1].to(x_t.device), x),
-                        cond,
-                        expert.config.patch_size,
-                    )
-                    expert(
-                        hidden_states=x.to(self.dtype),
-                        timestep=t,
-                        encoder_hidden_states=text.to(self.dtype),
-                        return_dict=False,
-                    )
+                    self._placeholder(expert, x_t, timesteps, cond, condition)
                 continue
             n = rows.numel()
             rows_dev = rows.to(x_t.device, non_blocking=True)
-            x = self._input(x_t.index_select(0, rows_dev), condition, rows_dev).to(self.dtype)
+            picked = condition.select(rows_dev) if condition is not None else None
+            x = model_input(self.kind, x_t.index_select(0, rows_dev), picked).to(self.dtype)
             t = model_timestep(
-                self.kind, timesteps.index_select(0, rows).to(x_t.device, non_blocking=True), x
+                self.kind, timesteps.index_select(0, rows).to(x_t.device, non_blocking=True), x, picked
             )
             text = cond.index_select(0, rows_dev).to(self.dtype)
             if scale == 1.0:
@@ -114,6 +114,25 @@ class GuidedTeacher:
             out.index_copy_(0, rows_dev, guided)
         return out
 
-    def _input(self, x: torch.Tensor, condition: Condition | None, rows: torch.Tensor) -> torch.Tensor:
-        """The experts' input for the noisy latents `x`, which are the batch's samples `rows`."""
-        return model_input(self.kind, x, condition.select(rows) if condition is not None else None)
+    def _placeholder(
+        self,
+        expert: Any,
+        x_t: torch.Tensor,
+        timesteps: torch.Tensor,
+        cond: torch.Tensor,
+        condition: Condition | None,
+    ) -> None:
+        """A one-token forward of `expert` that keeps this rank in its collectives; the result is
+        dropped. The first sample's whole input (condition channels included), cut to one token, at
+        that token's own timestep (one per sample, or the one token's for a per-token kind)."""
+        first = torch.zeros(1, dtype=torch.long, device=x_t.device)
+        picked = condition.select(first) if condition is not None else None
+        x = model_input(self.kind, x_t[:1], picked)
+        t = timesteps[:1].to(x_t.device)
+        x, _, text = one_token_inputs(x, t, cond, expert.config.patch_size)
+        expert(
+            hidden_states=x.to(self.dtype),
+            timestep=model_timestep(self.kind, t, x),
+            encoder_hidden_states=text.to(self.dtype),
+            return_dict=False,
+        )
