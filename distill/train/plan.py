@@ -326,7 +326,8 @@ def memory_plan(
     teacher_dtype = resolve_dtype(cfg.teacher_dtype, device)
     tokens = tokens_of(cfg, info)
     lines = [
-        f"teacher   : {info.path}",
+        # The model the files say it is (an image-to-video run needs images in its data).
+        f"teacher   : {info.path} ({info.kind.model}, {info.kind.task})",
         *weights_line(info),
         f"  experts : 2 x {human_count(teacher_params)} parameters as {teacher_dtype}, "
         f"t >= {info.boundary_ratio * 1000:.0f} -> high-noise expert (transformer)",
