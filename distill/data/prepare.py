@@ -248,13 +248,22 @@ def fill_latent_cache(
     return built
 
 
-@dataclass
 class ImageInputs:
     """What sampling image-to-video latents needs besides the experts: the teacher's VAE (the stock
-    pipeline encodes each image itself) and the run's image preprocessing."""
+    pipeline encodes each image itself) and the run's image preprocessing. The VAE is loaded on
+    first use: a run whose caches are full (a resume) never loads it."""
 
-    vae: Any
-    preprocess: Callable[[ImagePrompt], torch.Tensor]
+    def __init__(
+        self, load_vae: Callable[[], Any], preprocess: Callable[[ImagePrompt], torch.Tensor]
+    ) -> None:
+        self._load_vae, self._vae = load_vae, None
+        self.preprocess = preprocess
+
+    @property
+    def vae(self) -> Any:
+        if self._vae is None:
+            self._vae = self._load_vae()
+        return self._vae
 
 
 def open_condition_cache(cfg: TrainConfig, info: TeacherInfo) -> ImageLatentCache:
@@ -276,7 +285,7 @@ def image_inputs(cfg: TrainConfig, info: TeacherInfo, device: torch.device) -> I
     from distill.models.pipelines import load_vae
 
     return ImageInputs(
-        load_vae(info.path, device),
+        lambda: load_vae(info.path, device),
         ImagePreprocessor(cfg.height, cfg.width, info.vae_scale_spatial),
     )
 
