@@ -19,9 +19,12 @@ or write a tiny random teacher for tests and offline demos.
     python download_wan.py --tiny outputs/tiny_teacher_original --layout original
     # The Wan 2.2 I2V A14B teacher (image to video, ~120 GB) into models/Wan2.2-I2V-A14B-Diffusers:
     python download_wan.py --preset wan2.2-i2v-a14b
-    # ... or a tiny one of another Wan 2.2 model, in its diffusers layout:
+    # The Wan 2.2 TI2V 5B teacher (text or image to video, one transformer) into models/Wan2.2-TI2V-5B-Diffusers:
+    python download_wan.py --preset wan2.2-ti2v-5b
+    # ... or a tiny one of another Wan 2.2 model, in either layout:
     python download_wan.py --tiny outputs/tiny_i2v_teacher --tiny_kind i2v    # Wan2.2-I2V-A14B
-    python download_wan.py --tiny outputs/tiny_ti2v_teacher --tiny_kind ti2v  # Wan2.2-TI2V-5B (not distilled yet)
+    python download_wan.py --tiny outputs/tiny_ti2v_teacher --tiny_kind ti2v  # Wan2.2-TI2V-5B
+    python download_wan.py --tiny outputs/tiny_ti2v_original --tiny_kind ti2v --layout original
     # A small teacher TRAINED on a synthetic world (shipped weights, a second, no network):
     python download_wan.py --toy outputs/toy-wan
     # Convert an ORIGINAL Wan2.2-T2V-A14B download to the diffusers layout once:
@@ -42,10 +45,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from distill.models.layout import (
     CONFIG_PATTERNS,
     DIFFUSERS_COMPONENTS,
+    ONE_TRANSFORMER_COMPONENTS,
     ORIGINAL_COMPONENTS,
     missing_components,
     present_entries,
@@ -72,6 +77,8 @@ PRESETS = {
     "wan2.2-t2v-a14b": Preset("Wan-AI/Wan2.2-T2V-A14B-Diffusers", DIFFUSERS_COMPONENTS, "teacher"),
     # The image-to-video teacher: the same components (no image encoder), 36 input channels.
     "wan2.2-i2v-a14b": Preset("Wan-AI/Wan2.2-I2V-A14B-Diffusers", DIFFUSERS_COMPONENTS, "teacher"),
+    # Text or image to video on one GPU: one transformer (no transformer_2/), the 48-channel Wan2.2 VAE.
+    "wan2.2-ti2v-5b": Preset("Wan-AI/Wan2.2-TI2V-5B-Diffusers", ONE_TRANSFORMER_COMPONENTS, "teacher"),
     # Only the transformer is used: it initialises the student. Its VAE and text encoder are
     # the same as the teacher's, which the teacher download already provides.
     "wan2.1-t2v-1.3b": Preset(
@@ -236,8 +243,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tiny_kind",
         choices=TINY_KINDS,
-        help="with --tiny: which Wan 2.2 model (default: t2v = Wan2.2-T2V-A14B; i2v = Wan2.2-I2V-A14B, "
-        "in either layout; ti2v = Wan2.2-TI2V-5B, diffusers layout only, not distilled yet)",
+        help="with --tiny: which Wan 2.2 model, in either layout (default: t2v = Wan2.2-T2V-A14B; "
+        "i2v = Wan2.2-I2V-A14B; ti2v = Wan2.2-TI2V-5B)",
     )
     args = parser.parse_args(argv)
     _reject_stray_options(parser, args)
@@ -268,10 +275,6 @@ def _reject_stray_options(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--layout only applies to --tiny")
     if args.tiny is None and args.tiny_kind is not None:
         parser.error("--tiny_kind only applies to --tiny")
-    if args.layout == "original" and args.tiny_kind == "ti2v":
-        parser.error(
-            f"--tiny_kind {args.tiny_kind} is written in the diffusers layout only (leave out --layout)"
-        )
 
 
 # --- download -------------------------------------------------------------------------------
@@ -309,7 +312,7 @@ def _check_configs(preset: Preset, local_dir: Path) -> int:
             problems += [
                 f"{name}{c} is missing" for c in COMPONENT_CONFIGS[folder.name] if not (folder / c).is_file()
             ]
-    if preset.required == DIFFUSERS_COMPONENTS:
+    if _whole_teacher(preset):
         problems += _model_index_problems(local_dir / "model_index.json")
     if problems:
         raise DistillError(
@@ -336,6 +339,12 @@ def _check_configs(preset: Preset, local_dir: Path) -> int:
         f"  python download_wan.py{source} --local_dir {local_dir}"
     )
     return 0
+
+
+def _whole_teacher(preset: Preset) -> bool:
+    """Whether the preset is a whole teacher (two experts, or TI2V-5B's one transformer), whose
+    model_index.json is checked too, rather than one folder of a model."""
+    return preset.required in (DIFFUSERS_COMPONENTS, ONE_TRANSFORMER_COMPONENTS)
 
 
 def _resolve_preset(preset_name: str | None, repo_id: str | None) -> Preset:
@@ -397,7 +406,7 @@ def _check_download(preset: Preset, local_dir: Path) -> int:
         folder = local_dir / name.rstrip("/")
         if folder.is_dir() and folder.name in COMPONENT_CONFIGS:
             problems += _component_problems(folder, COMPONENT_CONFIGS[folder.name])
-    if preset.required == DIFFUSERS_COMPONENTS:
+    if _whole_teacher(preset):
         problems += _model_index_problems(local_dir / "model_index.json")
     if problems:
         raise DistillError(
@@ -424,7 +433,7 @@ def hub_unreachable(preset: Preset, local_dir: Path, reason: str) -> DistillErro
             "This machine has no internet access (air-gapped cluster, firewall, DNS failure).",
             "A proxy is required but HTTPS_PROXY is not set.",
         ]
-    if preset.required == DIFFUSERS_COMPONENTS:
+    if _whole_teacher(preset):
         check = f"Check it: python download_wan.py --verify {local_dir}"
     else:
         check = f"Only {', '.join(preset.required)} is used: check it holds config.json and *.safetensors."
@@ -516,6 +525,7 @@ def verify(folder: Path, any_kind: bool = False) -> int:
 
     # Another Wan 2.2 model is told so, not that it misses this one's parts (or that it is complete).
     reading = read_teacher_kind(folder) if any_kind else refuse_undistillable(folder)
+    components = _teacher_components(reading)
     problems = teacher_problems(folder)
     if problems:
         causes = ["The download or copy was interrupted.", "The folder is not the -Diffusers repository."]
@@ -533,17 +543,33 @@ def verify(folder: Path, any_kind: bool = False) -> int:
             ],
             stage=Stage.TEACHER_LOAD,
         )
-    print(f"OK: {folder} is a complete Wan 2.2 diffusers teacher ({', '.join(DIFFUSERS_COMPONENTS)}).")
+    model = f": {reading.kind.model}, {reading.kind.task}" if reading is not None else ""
+    print(f"OK: {folder} is a complete Wan 2.2 diffusers teacher ({', '.join(components)}{model}).")
     if reading is not None and not reading.kind.distillable:
         print(f"  It holds {reading.kind.model} ({reading.kind.task}); this version does not distil it yet.")
     return 0
 
 
+def _teacher_components(reading: Any) -> tuple[str, ...]:
+    """What a diffusers teacher of the kind its files say (`reading`, None: unknown = two experts) holds."""
+    from distill.models.layout import diffusers_components
+
+    return diffusers_components(reading.kind.experts if reading is not None else 2)
+
+
 def teacher_problems(folder: Path) -> list[str]:
-    """Everything that would stop `folder` from loading as a Wan 2.2 teacher (empty if none)."""
+    """Everything that would stop `folder` from loading as a Wan 2.2 teacher (empty if none): the
+    parts of the model its files name (TI2V-5B has no transformer_2/), two experts when they name none."""
+    from distill.models.teacher_kind import read_teacher_kind
+
     if not folder.is_dir():
         return [f"{folder} does not exist or is not a folder"]
-    problems = [f"missing {name}" for name in missing_components(folder, DIFFUSERS_COMPONENTS)]
+    try:
+        reading = read_teacher_kind(folder)
+    except DistillError as error:  # files that disagree on the model: the problem, listed
+        return [error.title]
+    components = _teacher_components(reading)
+    problems = [f"missing {name}" for name in missing_components(folder, components)]
     problems += _model_index_problems(folder / "model_index.json")
     for component, configs in COMPONENT_CONFIGS.items():
         if (folder / component).is_dir():
@@ -561,6 +587,8 @@ def _model_index_problems(path: Path) -> list[str]:
     if not isinstance(index, dict):
         return ["model_index.json is not a JSON object"]
     problems = []
+    if index.get("expand_timesteps") is True:
+        return problems  # TI2V-5B: one transformer, no expert switch to name
     if "boundary_ratio" not in index:
         problems.append("model_index.json names no boundary_ratio (a Wan 2.1 single-expert model?)")
     if "transformer_2" not in index:
@@ -647,8 +675,9 @@ def write_tiny(
         files = sorted(p.name for p in (path / entry).iterdir()) if entry.endswith("/") else []
         print(f"  {entry:<18} {' '.join(files)}")
     if kind.experts == 1:
+        where = "WanModel (config.json + shards at the top)" if layout == "original" else "transformer"
         print(
-            f"  transformer: {shape.num_layers} layers, {shape.num_attention_heads} heads x "
+            f"  {where}: {shape.num_layers} layers, {shape.num_attention_heads} heads x "
             f"{shape.attention_head_dim}, text_dim {shape.text_dim}, {kind.in_channels} channels in and out, "
             "a timestep per token (expand_timesteps)"
         )

@@ -162,7 +162,7 @@ def run(argv: list[str]) -> int:
     else:
         print(f"done: {result.steps} steps, loss {result.first_loss:.4g} -> {result.last_loss:.4g}")
     if result.student_dir is not None and result.student_dir.name.startswith("lora"):
-        print(f"LoRA adapters (both experts): {result.student_dir}  (Wan-format copies in comfyui/)")
+        print(f"LoRA adapters:             {result.student_dir}  (Wan-format copies in comfyui/)")
     else:
         print(f"student (diffusers format): {result.student_dir}")
     if result.ema_dir:

@@ -62,7 +62,15 @@ def _teacher(path: str) -> str:
     from distill.models.teacher import inspect_teacher
 
     info = inspect_teacher(path)
-    return f"{info.path}: diffusers layout complete, boundary_ratio {info.boundary_ratio}"
+    if info.kind.experts == 1:  # TI2V-5B: no transformer_2/, no expert switch
+        return (
+            f"{info.path}: {info.kind.model} ({info.kind.task}), diffusers layout complete, one transformer "
+            f"({info.kind.in_channels} latent channels, a timestep per token)"
+        )
+    return (
+        f"{info.path}: {info.kind.model} ({info.kind.task}), diffusers layout complete, "
+        f"boundary_ratio {info.boundary_ratio}"
+    )
 
 
 @entry_point

@@ -15,8 +15,12 @@ the student folder): teacher, training resolution and frames, sample steps, the 
 and negative prompt, max_sequence_length. A size the student or teacher cannot handle is refused
 before anything loads.
 
+A Wan2.2-TI2V-5B student is compared in the mode its run distilled (run_settings.json): text to
+video on a prompts file, image to video on a file pairing images; the other mode is refused.
+
 The teacher is Wan 2.2 A14B as it is meant to be used: both experts, switched at
-t = boundary_ratio * 1000, each with classifier-free guidance (4.0 / 3.0). The student runs alone
+t = boundary_ratio * 1000, each with classifier-free guidance (4.0 / 3.0); TI2V-5B runs its one
+transformer at every step with --guidance_scale. The student runs alone
 at guidance 1, with `--steps` steps (default: the run's). The teacher samples with `--teacher_steps`
 (default: the same for a velocity student; for a few-step (dmd) student the teacher's steps of
 its run, e.g. 40). A few-step student samples with its own K-step scheduler (recorded in
@@ -69,7 +73,7 @@ from distill.ops.errors import DistillError, Stage, report
 from distill.ops.paths import Kind
 from distill.report.measures import DEFAULT_MAX_SEQUENCE_LENGTH, EvalSettings
 from distill.report.summary import evaluate_student
-from distill.sample.image_inputs import prompt_images
+from distill.sample.image_inputs import prompt_images, recorded_mode
 from distill.sample.run_settings import (
     RunSettings,
     fill_left_out_flags,
@@ -103,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--teacher_path",
         action=PathAction,
         kind=Kind.FOLDER_OR_HUB,
-        help="The Wan 2.2 A14B teacher (diffusers folder or hub id); default: the one the student's run used.",
+        help="The Wan 2.2 teacher (diffusers folder or hub id); default: the one the student's run used.",
     )
     parser.add_argument(
         "--prompts",
@@ -147,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--guidance_scale_2",
         type=number(1.0),
-        help=f"Teacher, low-noise expert ({run} {defaults.guidance_scale_2}).",
+        help=f"Teacher, low-noise expert ({run} {defaults.guidance_scale_2}); none for TI2V-5B (one transformer).",
     )
     parser.add_argument(
         "--batch_size",
@@ -212,7 +216,10 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
         "steps": run.num_inference_steps if run else fallback.steps,
         "seed": run.sample_seed if run else fallback.seed,
         "guidance_scale": run.teacher_guidance_scale if run else fallback.guidance_scale,
-        "guidance_scale_2": run.teacher_guidance_scale_2 if run else fallback.guidance_scale_2,
+        # None recorded: a one-transformer teacher, which never reads it (inspect_teacher decides)
+        "guidance_scale_2": run.teacher_guidance_scale_2
+        if run and run.teacher_guidance_scale_2 is not None
+        else fallback.guidance_scale_2,
         "negative_prompt": run.negative_prompt if run else "",
         "max_sequence_length": run.max_sequence_length if run else DEFAULT_MAX_SEQUENCE_LENGTH,
     }
@@ -227,7 +234,7 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
 def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     from distill.data.prompts import read_prompts
     from distill.models.pipelines import check_sample_size, encode_prompts
-    from distill.models.teacher import inspect_teacher, load_expert
+    from distill.models.teacher import inspect_teacher, load_experts
     from distill.ops.output_dir import writable_folder
     from distill.ops.paths import Kind, PathFlag, check_paths
     from distill.report.toy_report import toy_prompt_count
@@ -252,7 +259,9 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         ]
     )
     writable_folder(args.output_dir, "--output_dir", create=False)
-    given = given_where(["negative_prompt"] if args.negative_prompt else [])  # "" changes nothing
+    # "" changes nothing; a --guidance_scale_2 given is judged once the teacher's kind is known
+    given = given_where(["negative_prompt"] if args.negative_prompt else [])
+    second_given = args.guidance_scale_2 is not None
     found = resolve_defaults(args)
     check_guidance(("--guidance_scale", args.guidance_scale), ("--guidance_scale_2", args.guidance_scale_2))
     check_dependents(args, given, EVALUATE_DEPENDENTS)
@@ -271,6 +280,14 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
                 stage=Stage.CONFIG,
             )
     info = inspect_teacher(args.teacher_path)
+    if info.kind.experts == 1 and second_given:
+        raise DistillError(
+            f"--guidance_scale_2 {args.guidance_scale_2} sets the guidance of a low-noise expert, but the "
+            f"teacher {info.path} is {info.kind.model}, which has one transformer",
+            f"{info.kind.model} runs its one transformer at every timestep, with --guidance_scale.",
+            fixes=["drop --guidance_scale_2"],
+            stage=Stage.ARGV,
+        )
     adapters = lora_student(student_dir, info)  # a LoRA folder: checked whole before anything loads
     args.toy_prompts = toy_prompt_count(args.toy_prompts, info.path)  # before anything is sampled
     check_sample_size(
@@ -283,7 +300,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         fixes=trained_size_fix(found),
     )
     logger.info(
-        "evaluating at %dx%d, %d frame(s), student %d steps (%s), teacher %d steps, teacher guidance %s / %s, "
+        "evaluating at %dx%d, %d frame(s), student %d steps (%s), teacher %d steps, teacher guidance %s, "
         "max_sequence_length %d (%s)",
         args.height,
         args.width,
@@ -291,8 +308,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         args.steps,
         (args.student_scheduler or {}).get("_class_name", "the teacher's scheduler"),
         args.teacher_steps,
-        args.guidance_scale,
-        args.guidance_scale_2,
+        args.guidance_scale if info.kind.experts == 1 else f"{args.guidance_scale} / {args.guidance_scale_2}",
         args.max_sequence_length,
         f"defaults from {found[1]}; flags override" if found else "flags and built-in defaults",
     )
@@ -309,6 +325,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         info.vae_scale_spatial,
         file_flag="--prompts",
         image_flag=None,
+        run_mode=recorded_mode(info.kind, found),
     )
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -319,9 +336,8 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     embeddings = encode_prompts(
         info.path, [*prompts, args.negative_prompt], args.max_sequence_length, device, dtype
     )
-    if adapters is None:
-        high = load_expert(info, "transformer", dtype).to(device)
-        low = load_expert(info, "transformer_2", dtype).to(device)
+    if adapters is None:  # both experts, or TI2V-5B's one transformer (low None)
+        high, low = (None if e is None else e.to(device) for e in load_experts(info, dtype))
     settings = EvalSettings(
         height=args.height,
         width=args.width,
@@ -413,9 +429,13 @@ def main(argv: list[str] | None = None) -> int:
             f"student at {sampler['student_steps']} steps: latent MSE {sampler['latent_mse']:.4g} to the teacher "
             f"at {sampler['teacher_steps']}; the teacher itself at {short['steps']} steps: {short['latent_mse']:.4g}"
         )
+    ranges = ", ".join(
+        f"{name.replace('_', '-')} {part['mse']:.4g}"
+        for name, part in denoiser["by_expert"].items()
+        if name != "transformer"  # one transformer: its one range is the whole
+    )
     print(
-        f"denoiser MSE {denoiser['mse']:.4g} (high-noise {denoiser['by_expert']['high_noise']['mse']:.4g}, "
-        f"low-noise {denoiser['by_expert']['low_noise']['mse']:.4g}); sampler latent MSE "
+        f"denoiser MSE {denoiser['mse']:.4g}{f' ({ranges})' if ranges else ''}; sampler latent MSE "
         f"{sampler['latent_mse']:.4g}, frame PSNR {sampler['frame_psnr_db']:.2f} dB; speed-up "
         f"{cost['speedup_seconds']:.2f}x time, {cost['speedup_forwards']:.1f}x forwards\n"
         f"wrote {Path(args.output_dir) / 'eval.json'} and eval.png"

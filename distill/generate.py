@@ -19,6 +19,11 @@ A few-step (dmd) student samples with its run's K-step scheduler (in run_setting
 guidance 1; that scheduler re-noises from the global RNG, so prompt i is what the stock pipeline
 gives after `torch.manual_seed(seed + i)` with no generator (= distill.models.few_step.sample_few_step).
 
+A Wan2.2-TI2V-5B student samples in the mode its run distilled (text, or image to video: its
+run_settings.json records the pipeline); an image for a text-mode student, or none for an image-mode
+one, is refused naming the run's mode. The TI2V-5B teacher alone (`--teacher_only`) renders text to
+video, or image to video when given an image.
+
 An image-to-video student (or teacher) turns an image into a video: `--image first.png` is the first
 frame of every prompt's video, or `--prompts_file pairs.jsonl` pairs each prompt with its own image
 ({"prompt": "...", "image": "images/0.png"} per line, paths relative to the file); each image is
@@ -36,7 +41,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +48,7 @@ import torch
 
 from distill.config.flag_rules import Dependent, check_dependents, check_guidance, given_where
 from distill.config.settings import PROMPT_SUFFIXES
-from distill.models.lora_files import FILES, is_lora_folder
+from distill.models.lora_files import is_lora_folder, lora_files
 from distill.models.pipelines import (
     check_sample_size,
     load_scheduler,
@@ -60,8 +64,8 @@ from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.output_dir import writable_folder
 from distill.ops.paths import Kind, PathFlag, check_paths
-from distill.sample.image_inputs import images_of, prompt_images
-from distill.sample.media import media_suffix, write_frames, write_side_by_side_gif
+from distill.sample.image_inputs import collect_prompts, images_of, prompt_images, recorded_mode
+from distill.sample.media import output_paths, write_frames, write_side_by_side_gif
 from distill.sample.run_settings import (
     RunSettings,
     fill_left_out_flags,
@@ -129,59 +133,21 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
     return found
 
 
-def output_paths(output: str | Path, count: int, num_frames: int) -> list[Path]:
-    """Where each prompt's sample goes (see the module docstring)."""
-    output = Path(output)
-    suffix = media_suffix(num_frames)
-    if count > 1 or output.is_dir():
-        if output.suffix.lower() in (".png", ".mp4"):
-            raise DistillError(
-                f"--output {output} names a file, but there are {count} prompts",
-                fixes=[f"pass a folder, e.g. --output {output.with_suffix('')}/"],
-                stage=Stage.ARGV,
-            )
-        return [output / f"prompt_{i:02d}{suffix}" for i in range(count)]
-    if output.suffix and output.suffix.lower() != suffix:
-        kind = "image" if num_frames == 1 else f"{num_frames}-frame video"
-        raise DistillError(
-            f"--output {output}: a {kind} is written as {suffix}",
-            fixes=[f"use --output {output.with_suffix(suffix)}"],
-            stage=Stage.ARGV,
-        )
-    return [output.with_suffix(suffix)]
-
-
-def collect_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> list[str]:
-    from distill.data.prompts import read_prompts
-
-    collected = list(prompts or [])
-    if prompts_file:
-        if not Path(prompts_file).is_file():
-            raise DistillError(
-                f"--prompts_file {prompts_file}: file not found",
-                fixes=["check the path; data/sample_prompts.txt ships with the project"],
-                stage=Stage.ARGV,
-            )
-        collected += read_prompts(prompts_file, "--prompts_file")
-    if not collected:
-        raise DistillError(
-            "no prompt given", fixes=['pass --prompt "..." or --prompts_file FILE'], stage=Stage.ARGV
-        )
-    return collected
-
-
 def build_pipeline(
     args: argparse.Namespace,
     info: TeacherInfo,
     device: torch.device,
     dtype: torch.dtype,
     run: RunSettings | None = None,
+    image: bool | None = None,
 ) -> Any:
-    """WanPipeline with the teacher's shared components and the student (or both teacher experts).
+    """The teacher's stock pipeline with its shared components and the student (or the teacher's
+    experts, or its one transformer). `image` picks the mode of a teacher with two (TI2V-5B: True
+    for WanImageToVideoPipeline); None: the teacher's own.
 
     The student samples with its run's own scheduler when the run recorded one, else the teacher's.
     """
-    from distill.models.teacher import load_expert
+    from distill.models.teacher import load_experts
 
     lora = not args.teacher_only and is_lora_folder(args.student)
     if not args.teacher_only and not lora:
@@ -189,10 +155,9 @@ def build_pipeline(
     tokenizer, text_encoder = load_text_components(info.path, device, dtype)
     shared = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": load_vae(info.path, device)}
     if args.teacher_only or lora:
-        high = load_expert(info, "transformer", dtype).to(device)
-        low = load_expert(info, "transformer_2", dtype).to(device)
+        high, low = (None if e is None else e.to(device) for e in load_experts(info, dtype))
         pipe = teacher_pipeline(
-            high, low, info.boundary_ratio, load_scheduler(info.path), info.kind, **shared
+            high, low, info.boundary_ratio, load_scheduler(info.path), info.kind, image=image, **shared
         )
         if not lora:
             return pipe
@@ -200,10 +165,13 @@ def build_pipeline(
         # was checked whole before anything loaded: distill.models.lora_folder).
         folder = str(args.student)
         try:
-            pipe.load_lora_weights(folder, weight_name=FILES["high"], adapter_name="fast")
-            pipe.load_lora_weights(
-                folder, weight_name=FILES["low"], adapter_name="fast_2", load_into_transformer_2=True
-            )
+            # one file per expert: high_noise_lora / low_noise_lora, or TI2V-5B's one lora.safetensors
+            files = lora_files(("high",) if low is None else ("high", "low"))
+            pipe.load_lora_weights(folder, weight_name=files["high"], adapter_name="fast")
+            if low is not None:
+                pipe.load_lora_weights(
+                    folder, weight_name=files["low"], adapter_name="fast_2", load_into_transformer_2=True
+                )
         except (ValueError, RuntimeError, KeyError, OSError) as exc:
             text = str(exc).strip().splitlines()
             raise DistillError(
@@ -221,7 +189,7 @@ def build_pipeline(
     if lora:
         pipe.scheduler = scheduler
         return pipe
-    return student_pipeline(student, scheduler, info.kind, **shared)
+    return student_pipeline(student, scheduler, info.kind, image=image, **shared)
 
 
 def check_counts(args: argparse.Namespace) -> None:
@@ -262,6 +230,22 @@ def generate_dependents(args: argparse.Namespace, two_experts: bool) -> tuple[De
             "set --guidance above 1",
         ),
     )
+
+
+def one_transformer_guidance(args: argparse.Namespace, info: TeacherInfo, given: dict[str, str]) -> None:
+    """A teacher with one transformer (TI2V-5B) has one guidance: a --guidance_2 given for it is
+    refused (it would be ignored); the run's recorded second scale is dropped."""
+    if info.kind.experts != 1:
+        return
+    if "guidance_2" in given:
+        raise DistillError(
+            f"--guidance_2 {args.guidance_2} sets the guidance of a low-noise expert, but the teacher "
+            f"{info.path} is {info.kind.model}, which has one transformer",
+            f"{info.kind.model} runs its one transformer at every timestep, with --guidance.",
+            fixes=["drop --guidance_2 (--guidance is the teacher's one scale)"],
+            stage=Stage.ARGV,
+        )
+    args.guidance_2 = None
 
 
 def check_flags(args: argparse.Namespace, given: dict[str, str]) -> None:
@@ -309,6 +293,7 @@ def generate(args: argparse.Namespace) -> list[Path]:
     for folder in dict.fromkeys(target.parent for target in targets):  # before anything renders
         writable_folder(folder, "--output", create=False)
     info = inspect_teacher(args.teacher_path)
+    one_transformer_guidance(args, info, given)
     if not args.teacher_only:
         lora_student(args.student, info)  # a LoRA folder: checked whole before anything loads
     model = teacher_limits(info) if args.teacher_only else student_limits(args.student, info)
@@ -321,7 +306,8 @@ def generate(args: argparse.Namespace) -> list[Path]:
         [model],
         fixes=trained_size_fix(found),
     )
-    # Every image read and preprocessed before any model loads (image to video; else refused).
+    # Every image read and preprocessed before any model loads (image to video; else refused). A
+    # TI2V-5B student takes the mode its run recorded; the teacher alone, the inputs' mode.
     images = prompt_images(
         info.kind,
         args.teacher_path,
@@ -331,16 +317,27 @@ def generate(args: argparse.Namespace) -> list[Path]:
         args.height,
         args.width,
         info.vae_scale_spatial,
+        run_mode=None if args.teacher_only else recorded_mode(info.kind, found),
     )
+    who = "teacher" if args.teacher_only else "student"
+    if len(info.kind.pipeline_classes) > 1:
+        who += f" ({info.kind.model}, {'image' if images is not None else 'text'} to video)"
     logger.info(
         describe(
             args,
-            "teacher" if args.teacher_only else "student",
+            who,
             f"defaults from {found[1]}; flags override" if found else "flags and built-in defaults",
         )
     )
     device = pick_device(args.device)
-    pipe = build_pipeline(args, info, device, resolve_dtype(args.dtype, device), found[0] if found else None)
+    pipe = build_pipeline(
+        args,
+        info,
+        device,
+        resolve_dtype(args.dtype, device),
+        found[0] if found else None,
+        image=images is not None,
+    )
     written, clips = [], []
     for i, (prompt, target) in enumerate(zip(prompts, targets)):
         frames = render(pipe, args, prompt, args.seed + i, image=images_of(images, i))
@@ -414,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--teacher_path",
         action=PathAction,
         kind=Kind.FOLDER_OR_HUB,
-        help="The Wan 2.2 A14B teacher (diffusers folder or hub id); default: the one the student's run used.",
+        help="The Wan 2.2 teacher (diffusers folder or hub id); default: the one the student's run used.",
     )
     parser.add_argument("--prompt", action="append", help="A prompt; may be given several times.")
     parser.add_argument(
@@ -427,8 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--image",
-        help="Image-to-video (Wan2.2-I2V-A14B) only: the first frame of every prompt's video, "
-        "resized to --height x --width as WanImageToVideoPipeline does.",
+        help="Image to video only (Wan2.2-I2V-A14B, or Wan2.2-TI2V-5B in image mode): the first frame of "
+        "every prompt's video, resized to --height x --width as WanImageToVideoPipeline does.",
     )
     parser.add_argument("--output", required=True, help="Output file (one prompt) or folder (several).")
     parser.add_argument("--height", type=integer(1), help=f"Pixels ({run} {FALLBACK['height']}).")

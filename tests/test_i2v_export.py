@@ -93,6 +93,11 @@ def _train(root: Path, name: str, **overrides: object) -> Path:
         num_steps=3,
         **overrides,
     )
+    return run_keeping_export_log(args, out)
+
+
+def run_keeping_export_log(args: list[str], out: Path) -> Path:
+    """Train with `args` in this process; the export's log lines are kept in <out>/export.log."""
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]

@@ -39,12 +39,12 @@ PROMPTS = ("a red square moving left", "a blue disc moving right", "a green bar 
 SIZE = dict(height=16, width=16, num_frames=5, teacher_sample_steps=2, max_prompts=4)
 
 
-def write_pairs(folder: Path, count: int = len(PROMPTS)) -> Path:
-    """A .jsonl file pairing each prompt with its own 16x16 image (paths relative to the file)."""
+def write_pairs(folder: Path, count: int = len(PROMPTS), size: int = 16) -> Path:
+    """A .jsonl file pairing each prompt with its own `size` x `size` image (paths relative to the file)."""
     (folder / "images").mkdir(parents=True, exist_ok=True)
     lines = []
     for i in range(count):
-        pixels = np.random.default_rng(i).integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
+        pixels = np.random.default_rng(i).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
         Image.fromarray(pixels).save(folder / "images" / f"{i}.png")
         lines.append(json.dumps({"prompt": PROMPTS[i], "image": f"images/{i}.png"}))
     path = folder / "pairs.jsonl"

@@ -1,11 +1,11 @@
 """Every recipe in config/recipes/ is a config file the trainer reads, and what its header promises
-holds: the command parses, the plan for the real A14B sizes fits the recipe's GPUs, the memory per GPU
+holds: the command parses, the plan for the real teacher's sizes (A14B, TI2V-5B) fits the recipe's GPUs, the memory per GPU
 and the GPU-hours the header states are the plan's (and docs/recipes.md's table says the same), the
 runs this project ships stay within their compute budgets, and each recipe's stall_timeout is far
 above the plan's longest stretch between two watchdog beats.
 
-The teacher is described, not loaded: the A14B expert's config (as in its transformer/config.json)
-is enough for the plan, so the test needs no weights and no GPU."""
+The teacher is described, not loaded: the expert's config (as in its transformer/config.json) is
+enough for the plan, so the test needs no weights and no GPU."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from conftest import A14B_EXPERT, REPO
 from distill.config.cli import parse_config
 from distill.models.student_config import load_student_config
 from distill.models.teacher import TeacherInfo
-from distill.models.teacher_kind import I2V_A14B
+from distill.models.teacher_kind import I2V_A14B, TI2V_5B
 from distill.train.cost import STALL_MARGIN, RunCost, RunCounts, hours_text, run_cost
 from distill.train.plan import GIB, HEADROOM, REFERENCE_GPU_BYTES, estimate, memory_plan, teacher_bytes
 
@@ -30,6 +30,19 @@ A14B = TeacherInfo(Path("models/Wan2.2-T2V-A14B-Diffusers"), 0.875, 3.0, A14B_EX
 # The image-to-video teacher: the same experts with 36 input channels, its own boundary and shift.
 I2V_EXPERT = {**A14B_EXPERT, "in_channels": 36, "out_channels": 16}
 I2V = TeacherInfo(Path("models/Wan2.2-I2V-A14B-Diffusers"), 0.9, 5.0, I2V_EXPERT, 8, 4, kind=I2V_A14B)
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers transformer/config.json: one transformer of 30 layers, 24 heads x
+# 128 = 3,072 wide, ffn 14,336, 48 latent channels in and out; no boundary, the Wan2.2 VAE's 16x
+# spatial and 4x temporal compression, its scheduler's shift 5.
+TI2V_EXPERT = {
+    **A14B_EXPERT,
+    "num_attention_heads": 24,
+    "ffn_dim": 14336,
+    "num_layers": 30,
+    "in_channels": 48,
+    "out_channels": 48,
+}
+TI2V = TeacherInfo(Path("models/Wan2.2-TI2V-5B-Diffusers"), None, 5.0, TI2V_EXPERT, 16, 4, kind=TI2V_5B)
+TEACHERS = {"I2V-A14B": I2V, "TI2V-5B": TI2V, "T2V-A14B": A14B}
 MEMORY = re.compile(
     r"Memory per GPU \(--dry_run plan, (\d+) ranks?, teacher (sharded|on the CPU|on the GPU)\): ([\d.]+) GiB"
 )
@@ -37,7 +50,12 @@ HOURS = re.compile(r"GPU-hours \(--dry_run plan, H100 at MFU ([\d.]+)\): ([\d.]+
 PLACEMENT_WORDS = {"sharded": "shard", "on the CPU": "cpu", "on the GPU": "gpu"}
 GPU_MEMORY = re.compile(r"^# GPU memory: (\d+) GB$", re.M)  # stated when it is not an 80 GB GPU
 # The compute the shipped multi-GPU runs may take (the plan's own GPU-hours).
-BUDGETS = {"a14b-1.3b-stage1-8x80gb": 80, "a14b-1.3b-stage2-dmd-8x80gb": 60, "a14b-lora-4step-8x80gb": 260}
+BUDGETS = {
+    "a14b-1.3b-stage1-8x80gb": 80,
+    "a14b-1.3b-stage2-dmd-8x80gb": 60,
+    "a14b-lora-4step-8x80gb": 260,
+    "ti2v-5b-lora-4step-8gpu": 80,
+}
 
 
 def header(recipe: Path) -> str:
@@ -62,7 +80,7 @@ def planned(recipe: Path) -> tuple[int, object, float, RunCost, str]:
     recipe's command, as its --dry_run prints them."""
     world, argv = command(recipe)
     cfg = parse_config([*argv[:1], str(REPO / argv[1]), *argv[2:]])
-    info = I2V if "I2V" in cfg.teacher_path else A14B
+    info = next(info for name, info in TEACHERS.items() if name in cfg.teacher_path)
     expert = info.expert_config
     if cfg.student_lora_rank:  # the student (and the critic) are the teacher's experts with adapters
         student = critic = expert
@@ -88,6 +106,10 @@ def test_there_are_recipes_for_both_stages_on_one_and_on_eight_gpus():
         "a14b-1.3b-stage2-dmd-8x80gb",
         "a14b-1.3b-stage1-1x80gb",
         "a14b-1.3b-stage2-dmd-1x80gb",
+        "ti2v-5b-lora-4step-1gpu",
+        "ti2v-5b-lora-4step-8gpu",
+        "ti2v-5b-1.3b-stage1-1gpu",
+        "ti2v-5b-1.3b-stage2-dmd-1gpu",
     } <= names
 
 

@@ -1,12 +1,14 @@
 """distill/models/teacher_kind.py: which Wan 2.2 model a teacher folder holds is read from its files;
 the tiny I2V-A14B and TI2V-5B teachers run in their stock diffusers pipelines; a teacher of a kind
 this version cannot distil, or whose files disagree, ends in the teacher-load banner in every command
-that reads a teacher, before anything is written."""
+that reads a teacher, before anything is written (every Wan 2.2 kind is distilled now: TI2V-5B stands in
+for the next model, marked undistillable for those tests)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub
@@ -37,6 +39,17 @@ def i2v_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def ti2v_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_teacher(tmp_path_factory.mktemp("ti2v") / "teacher", seed=0, kind=TI2V_5B)
+
+
+@pytest.fixture
+def undistillable_ti2v() -> Iterator[None]:
+    """TI2V-5B marked as a kind this version cannot distil, as it was before it was supported: the
+    refusal is what the next Wan model (S2V, Animate) will meet until it is."""
+    object.__setattr__(TI2V_5B, "distillable", False)  # a frozen dataclass: the kinds are constants
+    try:
+        yield
+    finally:
+        object.__setattr__(TI2V_5B, "distillable", True)
 
 
 def banner(capsys: pytest.CaptureFixture[str]) -> str:
@@ -149,6 +162,7 @@ def original_layout(folder: Path, config: str, model_type: str, in_dim: int) -> 
     [("ti2v", "Wan2.2-TI2V-5B", "model_index.json: expand_timesteps = true")],
 )
 @pytest.mark.parametrize("dry_run", [False, True])
+@pytest.mark.usefixtures("undistillable_ti2v")
 def test_training_on_another_models_teacher_ends_in_the_kind_banner_writing_nothing(
     request, tmp_path, capsys, which, model, evidence, dry_run
 ) -> None:
@@ -161,6 +175,7 @@ def test_training_on_another_models_teacher_ends_in_the_kind_banner_writing_noth
     assert not out.exists() and not cache.exists()
 
 
+@pytest.mark.usefixtures("undistillable_ti2v")
 def test_generate_verify_and_doctor_refuse_it_too(i2v_teacher, ti2v_teacher, tmp_path, capsys) -> None:
     output = tmp_path / "g.png"
     argv = ["--teacher_only", "--teacher_path", str(ti2v_teacher), "--prompt", "x", "--output", str(output)]
@@ -178,6 +193,7 @@ def test_generate_verify_and_doctor_refuse_it_too(i2v_teacher, ti2v_teacher, tmp
     assert line.startswith("FAIL") and "Wan2.2-TI2V-5B" in line and FIX in line
 
 
+@pytest.mark.usefixtures("undistillable_ti2v")
 def test_an_original_layout_of_another_model_is_refused_before_any_conversion(tmp_path, capsys) -> None:
     """The 5B's original folder was told it misses Wan2.1_VAE.pth and high_noise_model/ (the I2V one
     is a teacher: tests/test_i2v_original_layout.py)."""
@@ -190,12 +206,10 @@ def test_an_original_layout_of_another_model_is_refused_before_any_conversion(tm
         err = banner(capsys)
         assert f"holds the {model} teacher" in err and f"{config}: model_type = {model_type}" in err
         assert "Wan2.1_VAE.pth" not in err and "incomplete" not in err
-        if model_type == "ti2v":
-            assert download_wan.main(["--convert", str(teacher), str(tmp_path / "converted")]) == 5
-            assert f"holds the {model} teacher" in banner(capsys)
-    assert not cache.exists() and not (tmp_path / "out").exists() and not (tmp_path / "converted").exists()
+    assert not cache.exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.usefixtures("undistillable_ti2v")
 def test_a_hub_id_of_another_model_is_refused_from_its_configs_before_the_weights_are_fetched(
     ti2v_teacher, tmp_path, monkeypatch, capsys
 ) -> None:
@@ -245,8 +259,7 @@ def test_files_that_disagree_are_refused_naming_both(tiny_teacher, i2v_teacher, 
     assert "model_index.json _class_name: WanPipeline" in err and "36/16: that is Wan2.2-I2V-A14B" in err
 
 
-def test_tiny_kind_is_a_tiny_option_in_the_diffusers_layout(capsys) -> None:
-    for argv in (["--tiny_kind", "i2v"], ["--tiny", "x", "--tiny_kind", "ti2v", "--layout", "original"]):
-        with pytest.raises(SystemExit) as usage:
-            download_wan.main(argv)
-        assert usage.value.code == 2 and "--tiny_kind" in capsys.readouterr().err
+def test_tiny_kind_is_a_tiny_option(capsys) -> None:
+    with pytest.raises(SystemExit) as usage:
+        download_wan.main(["--tiny_kind", "i2v"])
+    assert usage.value.code == 2 and "--tiny_kind" in capsys.readouterr().err

@@ -31,6 +31,7 @@ class DistillationDataset(torch.utils.data.Dataset):
         clean_latents: bool = True,
         reference: Sequence[TrainingSample | str] | None = None,
         conditions: TensorCache | None = None,
+        condition_entries: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.samples = [as_sample(sample) for sample in samples]
         self.latents, self.embeddings = latents, embeddings
@@ -44,6 +45,8 @@ class DistillationDataset(torch.utils.data.Dataset):
         )
         # The image-latent cache (image to video): each item's condition, by its image's content key.
         self.conditions = conditions
+        # What an item carries of its cached condition (conditioning.condition_entries of the kind).
+        self.condition_entries = condition_entries or (lambda stored: {"condition": stored})
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -59,7 +62,7 @@ class DistillationDataset(torch.utils.data.Dataset):
         if self.noise_for is not None:
             item["noise"] = self.noise_for(sample.key)
         if self.conditions is not None and sample.image_key is not None:
-            item["condition"] = self.conditions.get(sample.image_key)
+            item.update(self.condition_entries(self.conditions.get(sample.image_key)))
         return item
 
     def latent_shape(self) -> tuple[int, ...]:

@@ -23,6 +23,7 @@ from distill.data.images import ImagePrompt
 from distill.data.samples import TrainingSample
 from distill.models.flow_matching import NUM_TRAIN_TIMESTEPS
 from distill.models.teacher import TeacherInfo, free, load_text_encoder
+from distill.models.teacher_kind import I2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def latent_cache(
     cfg: TrainConfig, info: TeacherInfo, dtype: torch.dtype, embeddings: TensorCache
 ) -> TensorCache:
     settings = {
-        "teacher": info.fingerprint("transformer", "transformer_2", "scheduler"),
+        "teacher": info.fingerprint(*info.expert_folders, "scheduler"),
         "embeddings": embeddings.settings["text_encoder"],
         "height": cfg.height,
         "width": cfg.width,
@@ -128,10 +129,11 @@ def non_finite_teacher_error(
     info: TeacherInfo, cfg: TrainConfig, prompt: str, timestep: float
 ) -> DistillError:
     """The teacher sampled NaN or inf: name the expert that owns the first bad step."""
-    high = timestep >= info.boundary_ratio * NUM_TRAIN_TIMESTEPS
+    high = info.boundary_ratio is None or timestep >= info.boundary_ratio * NUM_TRAIN_TIMESTEPS
     folder = "transformer" if high else "transformer_2"
+    which = "transformer" if info.boundary_ratio is None else f"{'high' if high else 'low'}-noise expert"
     return DistillError(
-        f"the teacher's {'high' if high else 'low'}-noise expert ({folder}/) produced non-finite values "
+        f"the teacher's {which} ({folder}/) produced non-finite values "
         f"at t = {timestep:.0f} while sampling the clean-latent cache",
         f"prompt: {prompt!r}\nNothing non-finite was cached: training on it would teach the student NaN.",
         causes=[
@@ -154,7 +156,7 @@ def fill_latent_cache(
     cfg: TrainConfig,
     info: TeacherInfo,
     high: torch.nn.Module,
-    low: torch.nn.Module,
+    low: torch.nn.Module | None,
     device: torch.device,
     show_progress: bool = True,
     lockstep_placeholder: TrainingSample | str | None = None,
@@ -186,7 +188,16 @@ def fill_latent_cache(
     from distill.models.pipelines import load_scheduler, preprocessed_images, teacher_pipeline
 
     vae = images.vae if images is not None else None
-    pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path), info.kind, vae=vae)
+    pipe = teacher_pipeline(
+        high,
+        low,
+        info.boundary_ratio,
+        load_scheduler(info.path),
+        info.kind,
+        image=images is not None,
+        vae=vae,
+        vae_scales=(info.vae_scale_spatial, info.vae_scale_temporal),
+    )
     dtype = high.dtype  # the model's compute dtype (diffusers keeps some parameters in float32)
     negative_embeds = pad_embedding(negative, cfg.max_sequence_length)[None].to(device, dtype)
     logger.info(
@@ -223,7 +234,8 @@ def fill_latent_cache(
                 num_frames=cfg.num_frames,
                 num_inference_steps=cfg.teacher_sample_steps,
                 guidance_scale=cfg.guidance_scale,
-                guidance_scale_2=cfg.guidance_scale_2,
+                # The stock pipelines refuse a second scale where there is no second expert.
+                guidance_scale_2=cfg.guidance_scale_2 if low is not None else None,
                 generator=torch.Generator("cpu").manual_seed(prompt_seed(cfg.seed, item.key)),
                 output_type="latent",
                 max_sequence_length=cfg.max_sequence_length,
@@ -296,11 +308,13 @@ def fill_condition_cache(
     cfg: TrainConfig,
     inputs: ImageInputs,
     show_progress: bool = True,
+    kind: TeacherKind = I2V_A14B,
 ) -> int:
-    """Encode the images of `samples` the cache lacks into their conditions (mask and image latent,
-    distill.models.conditioning.image_condition), each distinct image once. Returns how many."""
+    """Encode the images of `samples` the cache lacks into their conditions for a teacher of `kind`
+    (distill.models.conditioning.image_condition: I2V-A14B's mask and image latent, TI2V-5B's image
+    latent frame), each distinct image once. Returns how many."""
     from distill.data.image_latents import fill_image_latent_cache
-    from distill.models.conditioning import image_condition
+    from distill.models.conditioning import image_condition, stored_condition
 
     pairs = [sample.image for sample in samples if sample.image is not None]
     missing = {
@@ -315,7 +329,7 @@ def fill_condition_cache(
 
         def encode(pixels: torch.Tensor) -> torch.Tensor:
             bar.update(1)
-            return image_condition(inputs.vae, pixels, cfg.num_frames).channels[0].cpu()
+            return stored_condition(image_condition(inputs.vae, pixels, cfg.num_frames, kind=kind)).cpu()
 
         known = {s.image.image: s.image_key for s in samples if s.image is not None and s.image_key}
         fill_image_latent_cache(cache, pairs, inputs.preprocess, encode, known)

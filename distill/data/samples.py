@@ -45,11 +45,20 @@ def takes_images(kind: TeacherKind) -> bool:
     return condition_channels(kind) > 0
 
 
+def accepts_images(kind: TeacherKind) -> bool:
+    """Whether a teacher of `kind` can start a video from an image: always (I2V-A14B) or in its image
+    mode (TI2V-5B, whose stock pipelines include WanImageToVideoPipeline)."""
+    return takes_images(kind) or I2V_A14B.pipeline_class in kind.pipeline_classes
+
+
 def read_training_samples(
     path: str | Path, kind: TeacherKind, limit: int | None = None, flag: str = "--data_path"
 ) -> list[TrainingSample]:
-    """The first `limit` samples of a prompts file (or captioned-video folder) for a teacher of `kind`."""
-    if takes_images(kind):
+    """The first `limit` samples of a prompts file (or captioned-video folder) for a teacher of `kind`.
+
+    A teacher with two modes (TI2V-5B) is distilled in the mode its data says: image to video when
+    the file pairs images (then every line must), text to video when it pairs none."""
+    if distils_images(kind, path, flag):
         pairs = read_image_prompts(path, flag)[:limit]
         return [TrainingSample(pair.prompt, pair, image_key(pair.image)) for pair in pairs]
     records = read_prompt_records(path, flag)
@@ -57,11 +66,47 @@ def read_training_samples(
     return [TrainingSample(record.prompt) for record in records[:limit]]
 
 
+def distils_images(kind: TeacherKind, data_path: str | Path, flag: str = "--data_path") -> bool:
+    """Whether a run of a teacher of `kind` on `data_path` distils image to video: always for
+    I2V-A14B, never for T2V-A14B, and for TI2V-5B when its data pairs the prompts with images (the
+    one rule of a run's mode: training, its exports and its samples all ask here)."""
+    return takes_images(kind) or (accepts_images(kind) and pairs_images(Path(data_path), flag))
+
+
+def pairs_images(path: Path, flag: str) -> bool:
+    """Whether a prompts file (or a captioned-video folder) gives its prompts images: all of them
+    (True) or none (False); a file that mixes the two is refused, naming a line of each."""
+    if path.is_dir():
+        return True
+    if path.suffix.lower() not in PAIRED_SUFFIXES:
+        return False
+    records = read_prompt_records(path, flag)
+    paired = [record.line for record in records if _has_image(record.fields.get("image"))]
+    unpaired = [record.line for record in records if not _has_image(record.fields.get("image"))]
+    if paired and unpaired:
+        raise DistillError(
+            f"{flag} {path} gives {len(paired)} prompt(s) an image (line {paired[0]}) and "
+            f"{len(unpaired)} none (line {unpaired[0]})",
+            "A run distils one mode of a text-or-image-to-video teacher: image to video when every "
+            "prompt has its image, text to video when none has.",
+            fixes=[
+                f"give line {unpaired[0]} and every other line without one an image, to distil image to video",
+                "or distil text to video from a file without images (a .txt of prompts), in a run of its own",
+            ],
+            stage=Stage.DATA,
+        )
+    return bool(paired)
+
+
+def _has_image(value: object) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
 def refuse_images(path: Path, kind: TeacherKind, images: Sequence[tuple[int, object]], flag: str) -> None:
     """A text-to-video teacher given prompts paired with images: say so, rather than drop the images."""
     if path.suffix.lower() not in PAIRED_SUFFIXES:
         return
-    paired = [(line, value) for line, value in images if isinstance(value, str) and value.strip()]
+    paired = [(line, value) for line, value in images if _has_image(value)]
     if not paired:
         return
     line, value = paired[0]

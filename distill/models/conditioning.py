@@ -220,15 +220,34 @@ def model_timestep(
     raise ValueError(f"timesteps of {kind.model} ({kind.inputs}) are not handled by this version")
 
 
-def loss_weight(kind: TeacherKind, noisy: torch.Tensor, condition: Condition | None) -> torch.Tensor:
-    """Which latent positions a loss may count: float32, broadcasting against (B, C, F', h, w) noisy
-    latents, 1 where the model's prediction is learned and 0 where the condition fixes the latents
-    (TI2V image mode: latent frame 0, the image, which the model input replaces and the sampler's
-    blend overwrites: no prediction there is ever used). 1 everywhere for the A14B kinds: I2V-A14B
-    denoises the image's frame like any other."""
+def loss_weight(kind: TeacherKind, noisy: torch.Tensor, condition: Condition | None) -> torch.Tensor | None:
+    """Which latent positions a loss may count: None where every position counts (both A14B kinds:
+    I2V-A14B denoises the image's frame like any other; TI2V text mode), else float32 broadcasting
+    against (B, C, F', h, w) noisy latents, 1 where the model's prediction is learned and 0 where the
+    condition fixes the latents (TI2V image mode: latent frame 0, the image, which the model input
+    replaces and the sampler's blend overwrites: no prediction there is ever used)."""
     if kind == TI2V_5B and condition is not None and condition.mask is not None:
         return condition.mask.to(noisy.device, torch.float32)
-    return torch.ones(noisy.shape[0], 1, noisy.shape[2], 1, 1, device=noisy.device)
+    return None
+
+
+def stored_condition(condition: Condition) -> torch.Tensor:
+    """What the image-latent cache keeps of one sample's condition (batch of one): its channels
+    (I2V-A14B: mask + image latent; TI2V-5B: the image's latent frame). A TI2V mask is rebuilt from
+    the latent frame count by `condition_entries`, so it costs no disk."""
+    if condition.channels is None or len(condition) != 1:
+        raise ValueError(f"one sample's condition with channels expected, got {_shapes(condition)}")
+    return condition.channels[0]
+
+
+def condition_entries(kind: TeacherKind, stored: torch.Tensor, latent_frames: int) -> dict[str, torch.Tensor]:
+    """A training item's condition entries (batched by the data loader, read by `batch_condition`)
+    from what the image-latent cache stored for its image."""
+    if kind == TI2V_5B:
+        keep = torch.ones(1, latent_frames, *stored.shape[2:], dtype=torch.float32)
+        keep[:, 0] = 0.0  # latent frame 0 is the image's
+        return {"condition": stored, "condition_mask": keep}
+    return {"condition": stored}
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from distill.models.conditioning import Condition, conditioned
+from distill.models.conditioning import Condition, blend_latents, conditioned
 from distill.models.flow_matching import NUM_TRAIN_TIMESTEPS, high_noise_mask
 from distill.models.teacher_kind import T2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
@@ -52,14 +52,18 @@ def student_grid(scheduler: Any, steps: int) -> tuple[torch.Tensor, torch.Tensor
     return scheduler.timesteps.clone(), scheduler.sigmas.clone()
 
 
-def steps_per_expert(timesteps: torch.Tensor, boundary_ratio: float) -> tuple[int, int]:
-    """How many of the student's timesteps fall in the high- and the low-noise expert's range."""
+def steps_per_expert(timesteps: torch.Tensor, boundary_ratio: float | None) -> tuple[int, int]:
+    """How many of the student's timesteps fall in the high- and the low-noise expert's range (with
+    no boundary, one transformer, every step is `transformer`'s: (K, 0))."""
     high = int(high_noise_mask(timesteps, boundary_ratio).sum())
     return high, len(timesteps) - high
 
 
-def check_grid(timesteps: torch.Tensor, boundary_ratio: float, shift: float) -> None:
-    """Refuse a grid that leaves one expert's range without any step (for K >= 2)."""
+def check_grid(timesteps: torch.Tensor, boundary_ratio: float | None, shift: float) -> None:
+    """Refuse a grid that leaves one expert's range without any step (for K >= 2). A teacher with
+    one transformer (no boundary) runs every step of any grid."""
+    if boundary_ratio is None:
+        return
     high, low = steps_per_expert(timesteps, boundary_ratio)
     if len(timesteps) >= 2 and (high == 0 or low == 0):
         raise DistillError(
@@ -95,18 +99,27 @@ def rollout(
     sigmas: torch.Tensor,
     draw_noise: Callable[[tuple[int, ...]], torch.Tensor],
     stop: int | None = None,
+    kind: TeacherKind = T2V_A14B,
+    condition: Condition | None = None,
 ) -> torch.Tensor:
     """Run the student's stochastic sampler from `x` (noise at sigmas[0]) through steps 0..stop-1.
 
     Returns the latent the sampler holds before step `stop` (default: after all K steps, the sample).
     `draw_noise(shape)` gives each step's re-noising (drawn even at the last step, whose next sigma
     is 0, as the scheduler does: the random stream stays aligned with WanPipeline's).
+    `model` is the bare student: each forward gets the input and timestep of the teacher's `kind` for
+    `condition` (conditioning.conditioned), and after each step the latents get back what the
+    condition fixes (TI2V image mode: the image's latent frame), as the official Wan sampler blends
+    them; stock WanImageToVideoPipeline blends once at the end, the same latents, since a step is
+    elementwise and no forward reads the replaced positions.
     """
     stop = len(timesteps) if stop is None else stop
     device = x.device
+    forward = conditioned(model, kind, condition)
+    x = blend_latents(kind, x, condition)
     for i in range(stop):
         dtype = getattr(model, "dtype", torch.float32)
-        velocity = model(
+        velocity = forward(
             hidden_states=x.to(dtype),
             timestep=timesteps[i].to(device).expand(x.shape[0]),
             encoder_hidden_states=cond,
@@ -114,6 +127,7 @@ def rollout(
         )[0]
         noise = draw_noise(tuple(x.shape))
         _, x = rollout_step(x, velocity, sigmas[i].to(device), sigmas[i + 1].to(device), noise)
+        x = blend_latents(kind, x, condition)
     return x
 
 
@@ -135,7 +149,9 @@ def sample_few_step(
     num_inference_steps=steps, guidance_scale=1.0 and no generator after torch.manual_seed(seed).
     `noise` (B, C, F, H, W) replaces the starting noise (e.g. the teacher's, drawn on the CPU, to
     compare both from the same start); the re-noising stream is the same either way. `condition`
-    (one row per prompt) is what the teacher's `kind` adds to every forward (I2V: the image).
+    (one row per prompt) is what the teacher's `kind` adds to every forward (I2V: the image; TI2V
+    image mode: the image's latent frame, which the sample then holds at frame 0, and a timestep
+    per token, as WanImageToVideoPipeline with expand_timesteps gives them).
     """
     device = next(student.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
@@ -148,8 +164,8 @@ def sample_few_step(
     x = draw((cond.shape[0], *latent_shape))  # drawn even when replaced: the stream stays aligned
     if noise is not None:
         x = noise.to(device, torch.float32).reshape(x.shape)
-    model = conditioned(student, kind, condition.to(device) if condition is not None else None)
-    return rollout(model, x, cond, timesteps, sigmas, draw).float()
+    condition = condition.to(device) if condition is not None else None
+    return rollout(student, x, cond, timesteps, sigmas, draw, kind=kind, condition=condition).float()
 
 
 def load_few_step_scheduler(student_dir: str | Path) -> Any | None:

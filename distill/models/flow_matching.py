@@ -56,10 +56,17 @@ def apply_guidance(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> to
     return uncond + scale * (cond - uncond)
 
 
-def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error of each sample, computed in float32 (shape (B,))."""
+def per_sample_mse(
+    prediction: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean squared error of each sample, computed in float32 (shape (B,)). With `weight` (0/1,
+    broadcasting against the prediction: conditioning.loss_weight) the mean is over the counted
+    positions only, so a masked frame neither adds error nor dilutes it."""
     diff = prediction.float() - target.float()
-    return diff.pow(2).flatten(1).mean(dim=1)
+    if weight is None:
+        return diff.pow(2).flatten(1).mean(dim=1)
+    weight = weight.expand_as(diff)
+    return (diff.pow(2) * weight).flatten(1).sum(dim=1) / weight.flatten(1).sum(dim=1).clamp_min(1.0)
 
 
 def frame_change(latents: torch.Tensor) -> torch.Tensor | None:

@@ -18,6 +18,15 @@ DIFFUSERS_COMPONENTS = (
     "scheduler/",
 )
 
+# A teacher with one transformer (Wan2.2-TI2V-5B) has no `transformer_2/`.
+ONE_TRANSFORMER_COMPONENTS = tuple(c for c in DIFFUSERS_COMPONENTS if c != "transformer_2/")
+
+
+def diffusers_components(experts: int) -> tuple[str, ...]:
+    """What the diffusers folder of a teacher with `experts` transformers (2 or 1) holds."""
+    return DIFFUSERS_COMPONENTS if experts == 2 else ONE_TRANSFORMER_COMPONENTS
+
+
 # The layout of the original Wan2.2-T2V-A14B release (Wan's own code, ComfyUI).
 ORIGINAL_COMPONENTS = (
     "models_t5_umt5-xxl-enc-bf16.pth",

@@ -1,10 +1,14 @@
-"""The student as the teacher's own two experts with LoRA adapters, sharing one copy of their weights.
+"""The student as the teacher's own experts with LoRA adapters, sharing one copy of their weights.
 
 `--student_lora_rank R` makes the student the high- and low-noise experts themselves, each with a
 "student" adapter (peft, through diffusers' adapter API), routed by timestep as the teacher is. The
 teacher is the same experts with adapters disabled, and the dmd critic is either its own "critic"
 adapters on them (`--critic_lora_rank`) or a full trainable copy of the experts. So the base
 weights of the 2 x 14B experts exist once in memory however many roles use them.
+
+A teacher with one transformer (TI2V-5B: no transformer_2, no boundary) is the same with one
+expert: routing calls it "high" (`transformer`, as GuidedTeacher does) and hands it every sample,
+its timestep one per token as the conditioning layer builds it; `experts` is then ("high",).
 
 Which adapter an expert runs is set per call (`AdapterSwitch`). Two things make that safe:
 - peft's `set_adapters` / `disable_adapters` also flip `requires_grad` (the active adapter trainable,
@@ -33,6 +37,7 @@ from distill.models.lockstep import one_token_inputs
 from distill.ops.distributed import any_rank
 
 EXPERTS = ("high", "low")  # transformer (t >= boundary), transformer_2
+ONE_EXPERT = ("high",)  # the one transformer of a teacher without a boundary: `transformer`
 STUDENT_ADAPTER = "student"
 CRITIC_ADAPTER = "critic"
 
@@ -141,7 +146,7 @@ def route(
     hidden_states: torch.Tensor,
     timestep: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
-    boundary_ratio: float,
+    boundary_ratio: float | None,
     call: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     lockstep: bool = False,
     patch_size: Sequence[int] = (1, 2, 2),
@@ -152,7 +157,13 @@ def route(
     rank): whenever any rank runs an expert, every rank does, in the same order, a rank without a
     sample for it on a one-token placeholder (distill/models/lockstep.py, `patch_size` the experts').
     The placeholder's output joins the result times zero, so backward also passes through that
-    expert on every rank, with zero gradient."""
+    expert on every rank, with zero gradient.
+
+    No boundary (one transformer): the whole batch goes to "high" as it is, whatever the timestep's
+    shape (TI2V-5B's is one per token, (B, tokens)); every rank runs it on every call, so lockstep
+    needs no placeholder."""
+    if boundary_ratio is None:
+        return call("high", hidden_states, timestep, encoder_hidden_states)
     is_high = high_noise_mask(timestep.detach().cpu(), boundary_ratio)
     parts, rows_of_parts, placeholders = [], [], []
     for which, mask in (("high", is_high), ("low", ~is_high)):
@@ -187,9 +198,11 @@ def route(
 
 
 class RoutedModel(nn.Module):
-    """Base of a trained model made of two experts routed by timestep, called like one Wan transformer."""
+    """Base of a trained model made of the teacher's experts routed by timestep (two, or one with no
+    boundary), called like one Wan transformer."""
 
-    boundary_ratio: float
+    boundary_ratio: float | None
+    experts: tuple[str, ...] = EXPERTS  # ONE_EXPERT for a teacher with one transformer
     lockstep: bool = False  # True when the experts are sharded over the ranks (see `route`)
 
     def forward(
@@ -236,13 +249,13 @@ class RoutedModel(nn.Module):
         return self.expert("high").device
 
     def enable_gradient_checkpointing(self) -> None:
-        for which in EXPERTS:
+        for which in self.experts:
             self.expert(which).enable_gradient_checkpointing()
 
-    def sampling_experts(self) -> tuple[nn.Module, nn.Module]:
+    def sampling_experts(self) -> tuple[nn.Module, nn.Module | None]:
         """(high, low) as plain modules running this model's weights, for WanPipeline (they keep
-        running them until another role switches them)."""
-        return self.expert("high"), self.expert("low")
+        running them until another role switches them); low None with one transformer."""
+        return self.expert("high"), self.expert("low") if "low" in self.experts else None
 
 
 class AdapterModel(RoutedModel):
@@ -253,12 +266,13 @@ class AdapterModel(RoutedModel):
         self,
         switches: dict[str, AdapterSwitch],
         adapter: str,
-        boundary_ratio: float,
+        boundary_ratio: float | None,
         trained: Sequence[str] = EXPERTS,
     ) -> None:
         super().__init__()
         self.adapter, self.boundary_ratio = adapter, boundary_ratio
-        self.trained_experts = tuple(trained)
+        self.experts = tuple(which for which in EXPERTS if which in switches)
+        self.trained_experts = tuple(which for which in trained if which in switches)
         object.__setattr__(self, "switches", switches)  # not submodules: the base weights stay out
         self.adapters = nn.ParameterDict()
         for which in self.trained_experts:
@@ -296,21 +310,24 @@ class AdapterModel(RoutedModel):
         """This role's adapter on expert `which`, in diffusers' key names."""
         return adapter_state(self.expert(which), self.adapter)
 
-    def sampling_experts(self) -> tuple[nn.Module, nn.Module]:
-        for which in EXPERTS:
+    def sampling_experts(self) -> tuple[nn.Module, nn.Module | None]:
+        for which in self.experts:
             self.switches[which].use(self.adapter)
-        return self.expert("high"), self.expert("low")
+        return super().sampling_experts()
 
 
 class ExpertCopies(RoutedModel):
-    """A full trainable copy of both experts (the dmd critic without adapters, as published recipes train it)."""
+    """A full trainable copy of the experts (the dmd critic without adapters, as published recipes
+    train it): both, or the one transformer (`low` and `boundary_ratio` None)."""
 
-    def __init__(self, high: nn.Module, low: nn.Module, boundary_ratio: float) -> None:
+    def __init__(self, high: nn.Module, low: nn.Module | None, boundary_ratio: float | None) -> None:
         super().__init__()
         self.high, self.low = high, low
         self.boundary_ratio = boundary_ratio
+        self.experts = EXPERTS if low is not None else ONE_EXPERT
         for model in (high, low):
-            model.requires_grad_(True)
+            if model is not None:
+                model.requires_grad_(True)
 
     def expert(self, which: str) -> nn.Module:
         return self.high if which == "high" else self.low
@@ -329,27 +346,33 @@ class ExpertCopies(RoutedModel):
 
 
 class LoraExperts:
-    """The two experts of one run with every role's adapters: the student's, and the dmd critic's
-    when it trains adapters too. Hands out each role's view of the same experts."""
+    """The experts of one run (two, or the one transformer of a teacher without a boundary: `low`
+    None) with every role's adapters: the student's, and the dmd critic's when it trains adapters
+    too. Hands out each role's view of the same experts."""
 
     def __init__(
         self,
         high: nn.Module,
-        low: nn.Module,
+        low: nn.Module | None,
         student: LoraShape,
         critic: LoraShape | None,
         seed: int,
     ) -> None:
-        self.switches = {"high": AdapterSwitch(high), "low": AdapterSwitch(low)}
+        self.experts = EXPERTS if low is not None else ONE_EXPERT
+        self.switches = {which: AdapterSwitch(m) for which, m in zip(EXPERTS, (high, low)) if m is not None}
         self.shapes = {STUDENT_ADAPTER: student, **({CRITIC_ADAPTER: critic} if critic else {})}
         for offset, (name, shape) in enumerate(self.shapes.items()):
-            for index, which in enumerate(EXPERTS):
+            for index, which in enumerate(self.experts):
                 add_adapter(self.switches[which].expert, name, shape, seed + 1000 * offset + index)
 
     def load(self, adapter: str, states: dict[str, dict[str, torch.Tensor]]) -> None:
         """Put trained weights (diffusers key names, per expert) into adapter `adapter`."""
         from peft.utils import set_peft_model_state_dict
 
+        if set(states) != set(self.experts):
+            raise ValueError(
+                f"adapters for experts {sorted(states)} given to a teacher with experts {list(self.experts)}"
+            )
         for which, state in states.items():
             expert = self.switches[which].expert
             result = set_peft_model_state_dict(expert, state, adapter_name=adapter)
@@ -357,17 +380,24 @@ class LoraExperts:
             if unexpected:
                 raise ValueError(f"{which}-noise adapter: keys the expert has no place for: {unexpected[:3]}")
 
-    def model(self, adapter: str, boundary_ratio: float, trained: Sequence[str] = EXPERTS) -> AdapterModel:
+    def model(
+        self, adapter: str, boundary_ratio: float | None, trained: Sequence[str] = EXPERTS
+    ) -> AdapterModel:
         """Role `adapter` as one model; only the adapters of the `trained` experts are its parameters
-        (the others run frozen, e.g. the distilled high-noise adapter while the low-noise one trains)."""
-        for which in EXPERTS:
+        (the others run frozen, e.g. the distilled high-noise adapter while the low-noise one trains).
+        Names of experts the teacher lacks are ignored (both = the one transformer's)."""
+        if not any(which in self.experts for which in trained):
+            raise ValueError(f"none of the experts {list(trained)} is the teacher's ({list(self.experts)})")
+        for which in self.experts:
             if which not in trained:
                 for p in adapter_parameters(self.switches[which].expert, adapter):
                     p.requires_grad_(False)
         return AdapterModel(self.switches, adapter, boundary_ratio, trained)
 
-    def teacher_views(self) -> tuple[ExpertView, ExpertView]:
-        return ExpertView(self.switches["high"], None), ExpertView(self.switches["low"], None)
+    def teacher_views(self) -> tuple[ExpertView, ExpertView | None]:
+        """(high, low) with adapters off (low None with one transformer), for GuidedTeacher."""
+        low = ExpertView(self.switches["low"], None) if "low" in self.switches else None
+        return ExpertView(self.switches["high"], None), low
 
     def teacher_mode(self) -> None:
         """Adapters off on both experts (for code that calls the experts directly)."""

@@ -6,7 +6,9 @@
     lora/comfyui/low_noise_lora.safetensors     .lora_up.weight and .alpha), as ComfyUI, LightX2V and Wan tools read
 
 diffusers loads the first pair with `pipe.load_lora_weights(folder, weight_name=..., adapter_name=...)`
-(`load_into_transformer_2=True` for the low-noise file). The Wan-format files always carry an
+(`load_into_transformer_2=True` for the low-noise file). A teacher with one transformer (TI2V-5B)
+has one file per format, `lora.safetensors` (`ONE_FILE`, the same keys): the only weights file in
+lora/, so `pipe.load_lora_weights(folder)` finds it without a weight_name. The Wan-format files always carry an
 alpha per module, so no tool has to guess the strength; each is checked on writing by converting
 it back with diffusers' own converter for such files and comparing every module's weight change.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -27,11 +29,21 @@ from distill.ops.errors import DistillError, Stage
 from distill.ops.files import staging_folder, swap_into_place
 
 FILES = {"high": "high_noise_lora.safetensors", "low": "low_noise_lora.safetensors"}
+# The one transformer of a teacher without a boundary ("high" in routing: `transformer`).
+ONE_FILE = {"high": "lora.safetensors"}
 WAN_FORMAT_DIR = "comfyui"
 LORA_SUFFIXES = {"lora_A": "lora_down", "lora_B": "lora_up"}
 # The key under which a LoRA folder records its teacher's model (TeacherKind.name): in
 # adapter_config.json and in the Wan-format files' metadata.
 KIND_KEY = "teacher_kind"
+
+
+def lora_files(experts: Sequence[str]) -> dict[str, str]:
+    """expert -> file name of a LoRA folder for these experts: both A14B experts, or the one
+    transformer ("high" alone, ONE_FILE)."""
+    if tuple(experts) == ("high",):
+        return dict(ONE_FILE)
+    return {which: FILES[which] for which in experts}
 
 
 def module_of(key: str) -> tuple[str, str]:
@@ -93,7 +105,8 @@ def write_lora_folder(
     kind: TeacherKind | None = None,
 ) -> Path:
     """Write `out_dir` (see the module docstring) from {"high": state, "low": state} in diffusers key
-    names; staged next to it and renamed into place, so a crash never leaves half a folder.
+    names ({"high": state} for one transformer); staged next to it and renamed into place, so a
+    crash never leaves half a folder.
 
     `kind`, the teacher's model, is recorded in adapter_config.json and in the Wan-format files'
     metadata (distill.models.lora_folder.KIND_KEY): both models' experts have the same layer shapes,
@@ -107,6 +120,7 @@ def write_lora_folder(
     metadata = {"r": shape.rank, "lora_alpha": shape.alpha, "target_modules": list(shape.targets)}
     # Kept out of the diffusers files' adapter metadata: diffusers builds its LoRA config from that.
     recorded = {KIND_KEY: kind.name} if kind is not None else {}
+    names = lora_files(tuple(states))
     try:
         (staging / WAN_FORMAT_DIR).mkdir()
         for which, state in states.items():
@@ -114,7 +128,7 @@ def write_lora_folder(
             WanPipeline.save_lora_weights(
                 staging,
                 transformer_lora_layers=plain,
-                weight_name=FILES[which],
+                weight_name=names[which],
                 transformer_lora_adapter_metadata=metadata,
             )
             wan = to_wan_format(plain, shape)
@@ -128,7 +142,7 @@ def write_lora_folder(
                     ],
                     stage=Stage.INTERNAL,
                 )
-            save_file(wan, staging / WAN_FORMAT_DIR / FILES[which], metadata={"format": "pt", **recorded})
+            save_file(wan, staging / WAN_FORMAT_DIR / names[which], metadata={"format": "pt", **recorded})
         (staging / "adapter_config.json").write_text(json.dumps({**metadata, **recorded}, indent=2) + "\n")
         swap_into_place(staging, out_dir)
     except BaseException:
@@ -141,7 +155,9 @@ def is_lora_folder(folder: str | Path) -> bool:
     """Whether `folder` holds any file of a LoRA folder: it is then read as one, and
     distill.models.lora_folder names whatever is missing or wrong in it."""
     folder = Path(folder)
-    return any((folder / name).is_file() for name in (*FILES.values(), "adapter_config.json"))
+    return any(
+        (folder / name).is_file() for name in (*FILES.values(), *ONE_FILE.values(), "adapter_config.json")
+    )
 
 
 def merged_state(expert: torch.nn.Module, adapter: str, keep: bool = True) -> dict[str, torch.Tensor]:
@@ -180,7 +196,8 @@ def write_merged_experts(
     states: Mapping[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """`out_dir`/transformer and `out_dir`/transformer_2: both experts with the adapter merged in, as
-    standalone diffusers models (for users who want no adapters at all). Staged and renamed.
+    standalone diffusers models (for users who want no adapters at all); `out_dir`/transformer alone
+    for a teacher with one transformer (`experts` without "low"). Staged and renamed.
     `states`: the merged weights when already gathered (`merged_state`, sharded experts)."""
     from huggingface_hub import save_torch_state_dict
 
@@ -189,7 +206,9 @@ def write_merged_experts(
     staging = staging_folder(out_dir)
     try:
         for which, subfolder in (("high", "transformer"), ("low", "transformer_2")):
-            expert = experts[which]
+            expert = experts.get(which)
+            if expert is None:  # the one transformer of TI2V-5B: no transformer_2
+                continue
             target = staging / subfolder
             target.mkdir()
             save_torch_state_dict(

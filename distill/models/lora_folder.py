@@ -4,6 +4,9 @@
     lora/            diffusers keys, adapter_config.json (rank, alpha, targets)
     lora/comfyui/    the same adapters in Wan keys, an alpha per module (no adapter_config.json)
 
+A folder holds one file per expert: high_noise_lora / low_noise_lora for the two A14B experts, or
+lora.safetensors for the one transformer of TI2V-5B (`LoraFolder.experts` says which).
+
 `check_lora_folder` reads the safetensors headers only (shapes, never the weights) and refuses, with
 the file, the key and the shape named, anything that would fail or silently differ once the weights
 are applied: a missing or cut-short file, a key that is no Wan transformer LoRA key, an
@@ -26,8 +29,16 @@ import torch
 
 from distill.config.settings import LORA_TARGETS
 from distill.models.layout import safetensors_problem
-from distill.models.lora import EXPERTS, LoraShape
-from distill.models.lora_files import FILES, KIND_KEY, LORA_SUFFIXES, WAN_FORMAT_DIR, wan_module_name
+from distill.models.lora import EXPERTS, ONE_EXPERT, LoraShape
+from distill.models.lora_files import (
+    FILES,
+    KIND_KEY,
+    LORA_SUFFIXES,
+    ONE_FILE,
+    WAN_FORMAT_DIR,
+    lora_files,
+    wan_module_name,
+)
 from distill.ops.errors import DistillError, Stage
 
 CONFIG_FILE = "adapter_config.json"
@@ -51,6 +62,7 @@ class LoraFolder:
     path: Path
     wan_format: bool  # lora/comfyui/: Wan key names
     shape: LoraShape
+    experts: tuple[str, ...]  # EXPERTS (two files), or ONE_EXPERT (lora.safetensors: one transformer)
     shapes: dict[str, dict[str, tuple[int, ...]]]
     keys: dict[str, dict[str, str]] = field(repr=False)  # expert -> diffusers key -> key in the file
     recorded_kind: tuple[str, str] | None = None
@@ -59,14 +71,15 @@ class LoraFolder:
     Wan 2.2 A14B model, so only a record tells a text-to-video folder from an image-to-video one."""
 
     def file(self, which: str) -> Path:
-        return self.path / FILES[which]
+        return self.path / lora_files(self.experts)[which]
 
     def states(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{"high": state, "low": state} in diffusers key names, the weights as the files hold them."""
+        """{"high": state, "low": state} ({"high": state} for one transformer) in diffusers key names,
+        the weights as the files hold them."""
         from safetensors import safe_open
 
         states = {}
-        for which in EXPERTS:
+        for which in self.experts:
             with safe_open(self.file(which), "pt") as handle:
                 states[which] = {key: handle.get_tensor(name) for key, name in self.keys[which].items()}
         return states
@@ -76,35 +89,61 @@ def check_lora_folder(folder: str | Path, flag: str) -> LoraFolder:
     """The LoRA folder `folder` (given as `flag`), checked whole from the files' headers (whether it
     fits a teacher is distill.sample.lora_fit's question)."""
     folder = Path(folder)
-    missing = [name for name in FILES.values() if not (folder / name).is_file()]
-    if missing:
-        found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-        inside = [folder / name for name in ("lora", "lora_ema") if (folder / name / FILES["high"]).is_file()]
-        raise _error(
-            f"{flag} {folder} holds no LoRA adapters"
-            if len(missing) == 2
-            else f"{flag} {folder}: {missing[0]} is missing",
-            f"expected {', '.join(FILES.values())} there; it holds: {', '.join(found) or 'nothing'}",
-            fixes=[
-                *([f"pass {inside[0]}: the adapters of the run in {folder}"] if inside else []),
-                "pass the lora/ (or lora_ema/, or lora/comfyui/) folder a LoRA run of train_distillation.py "
-                "wrote into its --output_dir",
-                "or copy the folder again: both files belong together",
-            ],
-        )
-    headers = {which: _header(folder / FILES[which], flag) for which in EXPERTS}
+    experts = _experts(folder, flag)
+    names = lora_files(experts)
+    headers = {which: _header(folder / names[which], flag) for which in experts}
     wan_format = any(key.startswith("diffusion_model.") for key in headers["high"])
-    parsed = {which: _parse(folder / FILES[which], headers[which], wan_format, flag) for which in EXPERTS}
+    parsed = {which: _parse(folder / names[which], headers[which], wan_format, flag) for which in experts}
     shape = _shape(folder, parsed, wan_format, flag)
     found = LoraFolder(
         folder,
         wan_format,
         shape,
+        experts,
         {w: {k: s for k, (s, _) in p.modules.items()} for w, p in parsed.items()},
         {w: {k: n for k, (_, n) in p.modules.items()} for w, p in parsed.items()},
         _recorded_kind(folder, parsed),
     )
     return found
+
+
+def _experts(folder: Path, flag: str) -> tuple[str, ...]:
+    """Which experts `folder` holds adapters for, from its file names: both A14B experts (FILES) or
+    the one transformer (ONE_FILE); a folder with neither set whole, or with both, is refused."""
+    two = [name for name in FILES.values() if (folder / name).is_file()]
+    one = [name for name in ONE_FILE.values() if (folder / name).is_file()]
+    if one and two:
+        raise _error(
+            f"{flag} {folder} holds adapters for one transformer and for two experts",
+            f"{', '.join(one)} (a teacher with one transformer, TI2V-5B) beside {', '.join(two)} (the two "
+            "experts of an A14B teacher): one run never writes both",
+            causes=["the files of two LoRA runs were copied into one folder"],
+            fixes=[
+                f"keep the files of one run in {folder}: copy its lora/ folder again into an empty folder"
+            ],
+        )
+    if one:
+        return ONE_EXPERT
+    if len(two) == len(FILES):
+        return EXPERTS
+    found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    inside = [
+        folder / name
+        for name in ("lora", "lora_ema")
+        if any((folder / name / f).is_file() for f in (FILES["high"], *ONE_FILE.values()))
+    ]
+    missing = [name for name in FILES.values() if name not in two]
+    raise _error(
+        f"{flag} {folder} holds no LoRA adapters" if not two else f"{flag} {folder}: {missing[0]} is missing",
+        f"expected {', '.join(FILES.values())} (two experts) or {', '.join(ONE_FILE.values())} (one "
+        f"transformer) there; it holds: {', '.join(found) or 'nothing'}",
+        fixes=[
+            *([f"pass {inside[0]}: the adapters of the run in {folder}"] if inside else []),
+            "pass the lora/ (or lora_ema/, or lora/comfyui/) folder a LoRA run of train_distillation.py "
+            "wrote into its --output_dir",
+            "or copy the folder again: the files of both experts belong together",
+        ],
+    )
 
 
 def _recorded_kind(folder: Path, parsed: dict[str, _Parsed]) -> tuple[str, str] | None:
@@ -119,7 +158,7 @@ def _recorded_kind(folder: Path, parsed: dict[str, _Parsed]) -> tuple[str, str] 
     for which, part in parsed.items():
         value = part.metadata.get(KIND_KEY)
         if value:
-            return value, f"{folder / FILES[which]} (its metadata): {KIND_KEY} = {value}"
+            return value, f"{folder / _name(parsed, which)} (its metadata): {KIND_KEY} = {value}"
     return None
 
 
@@ -218,6 +257,11 @@ def _diffusers_key(name: str, wan_format: bool) -> str | None:
     return ".".join(parts)
 
 
+def _name(parsed: Mapping[str, Any], which: str) -> str:
+    """The file name of expert `which` in a folder whose files `parsed` holds (one per expert)."""
+    return lora_files(tuple(parsed))[which]
+
+
 def _module(key: str) -> str:
     """`blocks.0.attn1.to_q.lora_A.weight` -> `blocks.0.attn1.to_q`."""
     return key.rsplit(".", 2)[0]
@@ -230,7 +274,7 @@ def _shape(folder: Path, parsed: dict[str, _Parsed], wan_format: bool, flag: str
     for which, part in parsed.items():
         if not part.modules:
             raise _error(
-                f"{flag}: {folder / FILES[which]} holds no adapter tensors", fixes=_copy_again(folder)
+                f"{flag}: {folder / _name(parsed, which)} holds no adapter tensors", fixes=_copy_again(folder)
             )
         modules: dict[str, set[str]] = {}
         for key, (shape, name) in part.modules.items():
@@ -238,16 +282,16 @@ def _shape(folder: Path, parsed: dict[str, _Parsed], wan_format: bool, flag: str
             modules.setdefault(_module(key), set()).add(kind)
             if len(shape) != 2:
                 raise _error(
-                    f"{flag}: {folder / FILES[which]}: {name} has shape {list(shape)}",
+                    f"{flag}: {folder / _name(parsed, which)}: {name} has shape {list(shape)}",
                     "a LoRA weight is a matrix: lora_A (down) is [rank, in], lora_B (up) is [out, rank]",
                     fixes=_copy_again(folder),
                 )
             rank = shape[0] if kind == "lora_A" else shape[1]
-            ranks.setdefault(rank, f"{FILES[which]}: {name} {list(shape)}")
+            ranks.setdefault(rank, f"{_name(parsed, which)}: {name} {list(shape)}")
         unpaired = sorted(m for m, kinds in modules.items() if len(kinds) != 2)
         if unpaired:
             raise _error(
-                f"{flag}: {folder / FILES[which]}: {unpaired[0]} has only one of its two LoRA matrices",
+                f"{flag}: {folder / _name(parsed, which)}: {unpaired[0]} has only one of its two LoRA matrices",
                 f"{len(unpaired)} module(s) without their pair, first: {unpaired[0]}",
                 fixes=_copy_again(folder),
             )
@@ -347,8 +391,8 @@ def _check_file_metadata(folder: Path, parsed: dict[str, _Parsed], config: dict[
             if theirs is None or ours is None or _same(theirs, ours):
                 continue
             raise _error(
-                f"{flag}: {path} and {FILES[which]} disagree on {key}",
-                f"{CONFIG_FILE}: {json.dumps(ours)}\n{FILES[which]} (its lora_adapter_metadata): {json.dumps(theirs)}",
+                f"{flag}: {path} and {_name(parsed, which)} disagree on {key}",
+                f"{CONFIG_FILE}: {json.dumps(ours)}\n{_name(parsed, which)} (its lora_adapter_metadata): {json.dumps(theirs)}",
                 causes=[f"{CONFIG_FILE} was edited, or copied from another run"],
                 fixes=[f'write "{key}": {json.dumps(theirs)} in {path}', *_copy_again(folder)],
             )
@@ -377,11 +421,11 @@ def _wan_alpha(folder: Path, parsed: dict[str, _Parsed], rank: int, flag: str) -
         without = sorted(modules - set(part.alphas))
         if part.alphas and without:
             raise _error(
-                f"{flag}: {folder / FILES[which]}: {without[0]} has no alpha, other modules do",
+                f"{flag}: {folder / _name(parsed, which)}: {without[0]} has no alpha, other modules do",
                 fixes=_copy_again(folder),
             )
         for module, alpha in part.alphas.items():
-            found.setdefault(alpha, f"{FILES[which]}: {module}.alpha = {alpha:g}")
+            found.setdefault(alpha, f"{_name(parsed, which)}: {module}.alpha = {alpha:g}")
     if len(found) > 1:
         raise _error(
             f"{flag}: the adapters in {folder} carry different alphas",

@@ -217,20 +217,64 @@ def check_sample_size(
 # ---------------------------------------------------------------------------------------------
 
 
-def stock_pipeline_class(kind: TeacherKind) -> Any:
+def stock_pipeline_class(kind: TeacherKind, image: bool | None = None) -> Any:
     """The diffusers pipeline class of `kind`, imported by name (only an image-to-video run imports
-    its module)."""
+    its module). `image` picks the mode of a kind that has two (TI2V-5B: WanPipeline for text,
+    WanImageToVideoPipeline for an image); None means the kind's own (the first it lists)."""
     import diffusers
 
-    return getattr(diffusers, kind.pipeline_class)
+    name = kind.pipeline_class
+    if image is not None and len(kind.pipeline_classes) > 1:
+        name = I2V_A14B.pipeline_class if image else T2V_A14B.pipeline_class
+    return getattr(diffusers, name)
+
+
+def _pipeline(
+    kind: TeacherKind,
+    image: bool | None,
+    high: torch.nn.Module,
+    low: torch.nn.Module | None,
+    boundary_ratio: float | None,
+    scheduler: Any,
+    components: dict[str, Any],
+) -> Any:
+    """The stock pipeline of `kind` (in the mode `image` picks) on these transformers: with
+    `expand_timesteps` for a kind that has a timestep per token, exactly as its folder loads.
+    `components`: tokenizer, text_encoder, vae, and without a VAE `vae_scales` (spatial, temporal)."""
+    pipeline_class = stock_pipeline_class(kind, image)
+    if pipeline_class.__name__ == I2V_A14B.pipeline_class and components.get("vae") is None:
+        raise ValueError("the image-to-video pipeline needs the teacher's VAE (vae=) to encode the image")
+    extra = {"expand_timesteps": True} if kind.per_token_timesteps else {}
+    pipe = pipeline_class(
+        tokenizer=components.get("tokenizer"),
+        text_encoder=components.get("text_encoder"),
+        vae=components.get("vae"),
+        scheduler=scheduler,
+        transformer=high,
+        transformer_2=low,
+        boundary_ratio=boundary_ratio,
+        **extra,
+    )
+    vae_scales = components.get("vae_scales")
+    if components.get("vae") is None and vae_scales is not None:
+        # Without a VAE the pipelines assume the Wan 2.1 VAE's 8x: a TI2V-5B latent (16x) drawn from
+        # `height` and `width` would have the wrong size.
+        pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal = vae_scales
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def student_pipeline(
-    student: torch.nn.Module, scheduler: Any, kind: TeacherKind = T2V_A14B, **components: Any
+    student: torch.nn.Module,
+    scheduler: Any,
+    kind: TeacherKind = T2V_A14B,
+    image: bool | None = None,
+    **components: Any,
 ) -> Any:
     """The stock pipeline of the teacher's `kind` running the student alone (sample it with
     guidance_scale=1.0): WanPipeline, or WanImageToVideoPipeline for an image-to-video teacher
     (which needs `vae=` to encode the image), exactly as its exported pipeline/ folder loads.
+    `image` picks the mode of a kind that has two (TI2V-5B); None: the kind's own.
 
     `components` may add tokenizer, text_encoder and vae; without them pass prompt embeddings and
     ask for output_type="latent". A LoRA student (the teacher's experts with its adapters) samples
@@ -241,50 +285,25 @@ def student_pipeline(
 
     if isinstance(student, RoutedModel):
         high, low = student.sampling_experts()
-        return teacher_pipeline(high, low, student.boundary_ratio, scheduler, kind, **components)
-    if kind == I2V_A14B and components.get("vae") is None:
-        raise ValueError("the image-to-video pipeline needs the teacher's VAE (vae=) to encode the image")
-    pipe = stock_pipeline_class(kind)(
-        tokenizer=components.get("tokenizer"),
-        text_encoder=components.get("text_encoder"),
-        vae=components.get("vae"),
-        scheduler=scheduler,
-        transformer=student,
-        transformer_2=None,
-        boundary_ratio=None,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+        return teacher_pipeline(high, low, student.boundary_ratio, scheduler, kind, image=image, **components)
+    return _pipeline(kind, image, student, None, None, scheduler, components)
 
 
 def teacher_pipeline(
     high: torch.nn.Module,
-    low: torch.nn.Module,
-    boundary_ratio: float,
+    low: torch.nn.Module | None,
+    boundary_ratio: float | None,
     scheduler: Any,
     kind: TeacherKind = T2V_A14B,
+    image: bool | None = None,
     **components: Any,
 ) -> Any:
-    """The stock pipeline of `kind` running both experts: `high` (transformer) while
-    t >= boundary_ratio * 1000, `low` below. WanPipeline for text to video; WanImageToVideoPipeline
-    for image to video, which needs `vae=` (it encodes the image) and has no image encoder (the
-    I2V-A14B model takes none)."""
-
-    if kind == I2V_A14B and components.get("vae") is None:
-        raise ValueError("the image-to-video pipeline needs the teacher's VAE (vae=) to encode the image")
-    # The kind's stock pipeline by name: only an image-to-video one imports its module.
-    pipeline_class = stock_pipeline_class(kind)
-    pipe = pipeline_class(
-        tokenizer=components.get("tokenizer"),
-        text_encoder=components.get("text_encoder"),
-        vae=components.get("vae"),
-        scheduler=scheduler,
-        transformer=high,
-        transformer_2=low,
-        boundary_ratio=boundary_ratio,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    """The stock pipeline of `kind` running the teacher: `high` (transformer) while
+    t >= boundary_ratio * 1000, `low` below; a one-transformer teacher (TI2V-5B) passes `low` and
+    `boundary_ratio` None. WanPipeline for text to video; WanImageToVideoPipeline for image to
+    video, which needs `vae=` (it encodes the image) and has no image encoder (no Wan 2.2 model takes
+    one). `image` picks the mode of a kind that has two (TI2V-5B); None: the kind's own."""
+    return _pipeline(kind, image, high, low, boundary_ratio, scheduler, components)
 
 
 def compute_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -2,7 +2,8 @@
 
 A student takes its teacher's input and gives its teacher's output, so its channels say which kind
 of teacher (models/teacher_kind.py) it was made for: 16 in / 16 out is Wan2.2-T2V-A14B, 36 in / 16
-out is Wan2.2-I2V-A14B. LoRA adapters have the same shapes on both models' experts, so what their
+out is Wan2.2-I2V-A14B, 48 in / 48 out is Wan2.2-TI2V-5B (the latent channels of its own VAE, in
+both of its modes: its image enters by replacing latent frame 0, not as extra channels). LoRA adapters have the same shapes on both models' experts, so what their
 folder or its run recorded is the only way to tell (`kind_named` reads such a record).
 
 An image-to-video input is the 16 noisy latent channels followed by the condition
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from distill.models.conditioning import NOISY_CHANNELS, condition_channels
-from distill.models.teacher_kind import I2V_A14B, KINDS, T2V_A14B, TeacherKind
+from distill.models.teacher_kind import I2V_A14B, KINDS, T2V_A14B, TI2V_5B, TeacherKind
 from distill.ops.errors import DistillError, Stage
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 SHIPPED_CONFIGS = {
     T2V_A14B.name: ("config/student_config.json", "config/student_tiny.json"),
     I2V_A14B.name: ("config/student_config_i2v.json", "config/student_tiny_i2v.json"),
+    TI2V_5B.name: ("config/student_config_ti2v.json", "config/student_tiny_ti2v.json"),
 }
 
 

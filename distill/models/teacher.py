@@ -21,9 +21,9 @@ import torch
 
 from distill.models.layout import (
     CONFIG_PATTERNS,
-    DIFFUSERS_COMPONENTS,
     ORIGINAL_COMPONENTS,
     components_without_weights,
+    diffusers_components,
     missing_components,
     present_entries,
     safetensors_problem,
@@ -44,12 +44,12 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # ---------------------------------------------------------------------------------------------
 
 
-def _layout_error(path: str, title: str, details: str = "") -> DistillError:
+def _layout_error(path: str, title: str, details: str = "", kind: TeacherKind = T2V_A14B) -> DistillError:
     folder = Path(path)
     found = present_entries(folder)
     lines = [details] if details else []
     lines.append(
-        "Expected the diffusers layout (Wan-AI/Wan2.2-T2V-A14B-Diffusers): " + ", ".join(DIFFUSERS_COMPONENTS)
+        f"Expected the diffusers layout ({kind.repo_id}): " + ", ".join(diffusers_components(kind.experts))
     )
     lines.append("or the original Wan layout: " + ", ".join(ORIGINAL_COMPONENTS))
     lines.append(
@@ -134,7 +134,9 @@ class TeacherInfo:
     """What the rest of the trainer needs to know about the teacher, read from its JSON files."""
 
     path: Path
-    boundary_ratio: float
+    # Where `transformer` hands over to `transformer_2` (t >= ratio * 1000 runs `transformer`); None
+    # for a teacher with one transformer (TI2V-5B), which runs at every timestep.
+    boundary_ratio: float | None
     flow_shift: float
     # Config of `transformer`. The low-noise expert must agree on channels, text width and patch;
     # its depth may differ (the toy teacher's is deeper), and the memory plan sizes both like this one.
@@ -143,6 +145,11 @@ class TeacherInfo:
     vae_scale_temporal: int
     # Which Wan 2.2 model, read from its files (models/teacher_kind.py): only distillable kinds get here.
     kind: TeacherKind = T2V_A14B
+
+    @property
+    def expert_folders(self) -> tuple[str, ...]:
+        """The teacher's transformer folders: ("transformer", "transformer_2"), or ("transformer",)."""
+        return ("transformer", "transformer_2") if self.kind.experts == 2 else ("transformer",)
 
     @property
     def latent_channels(self) -> int:
@@ -169,9 +176,7 @@ class TeacherInfo:
     def expert_bytes(self, dtype: torch.dtype) -> int:
         """Host memory one rank needs to load both experts in `dtype` (from the files' sizes)."""
         on_disk = sum(
-            f.stat().st_size
-            for c in ("transformer", "transformer_2")
-            for f in (self.path / c).glob("*.safetensors")
+            f.stat().st_size for c in self.expert_folders for f in (self.path / c).glob("*.safetensors")
         )
         stored_dtype_bytes = 2 if self.expert_config.get("_stored_in_16_bit", True) else 4
         return on_disk * (torch.finfo(dtype).bits // 8) // stored_dtype_bytes
@@ -195,9 +200,9 @@ class TeacherInfo:
         return digest.hexdigest()[:16]
 
 
-def check_teacher_configs(path: Path) -> tuple[dict[str, Any], ...]:
+def check_teacher_configs(path: Path, experts: int = 2) -> tuple[dict[str, Any] | None, ...]:
     """(transformer, transformer_2, scheduler, vae) configs, each value of the type its class expects
-    (the text encoder's config is checked too)."""
+    (the text encoder's config is checked too); transformer_2's is None for a one-transformer teacher."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config
 
@@ -210,7 +215,7 @@ def check_teacher_configs(path: Path) -> tuple[dict[str, Any], ...]:
     read("text_encoder/config.json", UMT5Config)
     return (
         read("transformer/config.json", WanTransformer3DModel),
-        read("transformer_2/config.json", WanTransformer3DModel),
+        read("transformer_2/config.json", WanTransformer3DModel) if experts == 2 else None,
         read("scheduler/scheduler_config.json", UniPCMultistepScheduler),
         read("vae/config.json", AutoencoderKLWan),
     )
@@ -249,36 +254,24 @@ def inspect_teacher(
     reading = refuse_undistillable(path, shown=path_or_id)
     if looks_original(path):
         path = ensure_converted(path, convert_dir)
-    missing = missing_components(path)
+    kind = reading.kind if reading is not None else T2V_A14B
+    missing = missing_components(path, diffusers_components(kind.experts))
     if missing:
-        raise _layout_error(str(path), f"the teacher folder is incomplete: missing {', '.join(missing)}")
+        raise _layout_error(
+            str(path), f"the teacher folder is incomplete: missing {', '.join(missing)}", kind=kind
+        )
     index = _read_json(path / "model_index.json", path)
-    ratio = boundary_ratio if boundary_ratio is not None else index.get("boundary_ratio")
-    if ratio is None:
-        raise DistillError(
-            f"{path}/model_index.json has no boundary_ratio: this is not a two-expert Wan 2.2 teacher",
-            fixes=[
-                "point --teacher_path at Wan-AI/Wan2.2-T2V-A14B-Diffusers",
-                "or pass --boundary_ratio 0.875",
-            ],
-            stage=Stage.TEACHER_LOAD,
-        )
-    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool):
-        raise DistillError(
-            f'{path / "model_index.json"}: "boundary_ratio" must be a number (like 0.875), got {ratio!r}',
-            fixes=[f'write "boundary_ratio": 0.875 in {path / "model_index.json"}, or pass --boundary_ratio'],
-            stage=Stage.TEACHER_LOAD,
-        )
-    high, low, scheduler, vae = check_teacher_configs(path)
+    ratio = _boundary_ratio(path, index, boundary_ratio, kind)
+    high, low, scheduler, vae = check_teacher_configs(path, kind.experts)
     for key in ("in_channels", "out_channels", "text_dim", "patch_size"):
-        if high.get(key) != low.get(key):
+        if low is not None and high.get(key) != low.get(key):
             raise DistillError(
                 f"the two experts disagree on {key}: transformer has {high.get(key)}, transformer_2 has {low.get(key)}",
                 "Both experts of a Wan 2.2 teacher work in the same latent and text space.",
                 fixes=["re-download the teacher; the folders come from different models"],
                 stage=Stage.TEACHER_LOAD,
             )
-    for component in ("text_encoder", "vae", "transformer", "transformer_2"):
+    for component in ("text_encoder", "vae", *(("transformer", "transformer_2")[: kind.experts])):
         for weights in sorted((path / component).glob("*.safetensors")):
             problem = safetensors_problem(weights)
             if problem:
@@ -299,13 +292,43 @@ def inspect_teacher(
     spatial = vae.get("scale_factor_spatial") or 2 ** len(vae.get("temperal_downsample", [0, 0, 0]))
     return TeacherInfo(
         path=path,
-        boundary_ratio=float(ratio),
+        boundary_ratio=ratio,
         flow_shift=float(scheduler.get("flow_shift") or scheduler.get("shift") or 3.0),
         expert_config=high,
         vae_scale_spatial=int(spatial),
         vae_scale_temporal=int(temporal),
-        kind=reading.kind if reading is not None else T2V_A14B,
+        kind=kind,
     )
+
+
+def _boundary_ratio(path: Path, index: dict[str, Any], flag: float | None, kind: TeacherKind) -> float | None:
+    """The expert switch: --boundary_ratio, else model_index.json's; None for one transformer."""
+    if kind.experts == 1:
+        if flag is not None:
+            raise DistillError(
+                f"--boundary_ratio {flag} was given, but {kind.model} has one transformer: there is no "
+                "expert switch to move",
+                fixes=["drop --boundary_ratio (and boundary_ratio from the config file)"],
+                stage=Stage.CONFIG,
+            )
+        return None
+    ratio = flag if flag is not None else index.get("boundary_ratio")
+    if ratio is None:
+        raise DistillError(
+            f"{path}/model_index.json has no boundary_ratio: this is not a two-expert Wan 2.2 teacher",
+            fixes=[
+                "point --teacher_path at Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+                "or pass --boundary_ratio 0.875",
+            ],
+            stage=Stage.TEACHER_LOAD,
+        )
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool):
+        raise DistillError(
+            f'{path / "model_index.json"}: "boundary_ratio" must be a number (like 0.875), got {ratio!r}',
+            fixes=[f'write "boundary_ratio": 0.875 in {path / "model_index.json"}, or pass --boundary_ratio'],
+            stage=Stage.TEACHER_LOAD,
+        )
+    return float(ratio)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +380,13 @@ def load_expert(info: TeacherInfo, subfolder: str, dtype: torch.dtype) -> Any:
     except Exception as exc:
         raise _load_failure(subfolder, info.path, exc) from exc
     return model.requires_grad_(False).eval()
+
+
+def load_experts(info: TeacherInfo, dtype: torch.dtype) -> tuple[Any, Any | None]:
+    """(transformer, transformer_2) of the teacher, frozen on the CPU: the high- and low-noise
+    experts of an A14B model, or its one transformer and None (TI2V-5B)."""
+    high = load_expert(info, "transformer", dtype)
+    return high, (load_expert(info, "transformer_2", dtype) if info.kind.experts == 2 else None)
 
 
 def shard_expert(model: Any, device: torch.device, world_size: int) -> Any:

@@ -109,7 +109,7 @@ TI2V_5B = TeacherKind(
     boundary_ratio=None,
     original_model_type="ti2v",
     inputs="48 latent channels of the Wan2.2 VAE, the first frame's tokens at timestep 0",
-    distillable=False,
+    distillable=True,
 )
 KINDS = (T2V_A14B, I2V_A14B, TI2V_5B)
 

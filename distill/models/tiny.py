@@ -11,12 +11,14 @@ diffusers expects.
     write_tiny_teacher("outputs/tiny_teacher", seed=0)
     write_tiny_original_teacher("outputs/tiny_teacher_original", seed=0)   # the original Wan layout
 
-The other two Wan 2.2 models have tiny teachers in their diffusers layouts too (`kind=`, see
+The other two Wan 2.2 models have tiny teachers in both layouts too (`kind=`, see
 distill/models/teacher_kind.py): Wan2.2-I2V-A14B (WanImageToVideoPipeline, two experts with 36
 input channels, no image encoder) and Wan2.2-TI2V-5B (WanPipeline with expand_timesteps, one
-48-channel transformer, no transformer_2/, the Wan2.2 VAE with 48 latent channels).
+48-channel transformer, no transformer_2/, the Wan2.2 VAE with 48 latent channels; in the original
+layout its one WanModel sits at the top of the folder beside Wan2.2_VAE.pth).
 
     write_tiny_teacher("outputs/tiny_i2v_teacher", seed=0, kind=I2V_A14B)
+    write_tiny_original_teacher("outputs/tiny_ti2v_original", seed=0, kind=TI2V_5B)
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from distill.models.layout import (
     missing_components,
     present_entries,
 )
+from distill.models.original.detect import ONE_MODEL
 from distill.models.teacher_kind import I2V_A14B, T2V_A14B, TI2V_5B, TeacherKind, read_teacher_kind
 from distill.ops.errors import DistillError, Stage
 
@@ -198,16 +201,15 @@ def write_tiny_original_teacher(
     kind: TeacherKind = T2V_A14B,
 ) -> Path:
     """Write the same tiny teacher as `write_tiny_teacher(out_dir, seed, shape, kind=kind)` in the
-    ORIGINAL Wan layout (models_t5_umt5-xxl-enc-bf16.pth, google/umt5-xxl/, Wan2.1_VAE.pth,
-    high_noise_model/, low_noise_model/ with config.json model_type t2v or i2v). `shape` defaults to
+    ORIGINAL Wan layout of its release: models_t5_umt5-xxl-enc-bf16.pth and google/umt5-xxl/, then
+    for the A14B models Wan2.1_VAE.pth and high_noise_model/, low_noise_model/ (config.json
+    model_type t2v or i2v, two shards each), for TI2V-5B Wan2.2_VAE.pth and the WanModel at the top
+    (config.json model_type ti2v, three shards as the release has). `shape` defaults to
     `original_layout_shape(kind)`. Weights stay float32 whatever the file names say, so a conversion
     can be compared exactly with the diffusers-layout teacher of the same seed, shape and kind.
-    Only the two-expert kinds have this layout here (TI2V-5B's has one transformer, another VAE).
     """
     from distill.models.original.export import save_original_layout
 
-    if kind.experts != 2:
-        raise ValueError(f"the tiny {kind.model} teacher is written in the diffusers layout only")
     shape = shape if shape is not None else original_layout_shape(kind)
     out_dir = Path(out_dir).expanduser().absolute()
     _check_destination(out_dir, overwrite)
@@ -215,7 +217,13 @@ def write_tiny_original_teacher(
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        save_original_layout(build_tiny_pipeline(seed, shape, kind), staging, shape.boundary_ratio, kind=kind)
+        save_original_layout(
+            build_tiny_pipeline(seed, shape, kind),
+            staging,
+            shape.boundary_ratio,
+            shards_per_expert=2 if kind.experts == 2 else 3,
+            kind=kind,
+        )
         _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -287,7 +295,11 @@ def t5_unigram_tokenizer(pieces: list[tuple[str, float]], model_max_length: int 
 def is_tiny_teacher(folder: str | Path) -> bool:
     """Whether `folder` holds a complete teacher (either layout) small enough to be a tiny one."""
     folder = Path(folder)
-    if missing_components(folder, ONE_EXPERT_COMPONENTS) and missing_components(folder, ORIGINAL_COMPONENTS):
+    if (
+        missing_components(folder, ONE_EXPERT_COMPONENTS)
+        and missing_components(folder, ORIGINAL_COMPONENTS)
+        and missing_components(folder, ONE_MODEL.required)
+    ):
         return False
     total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     return total <= _TINY_MAX_BYTES

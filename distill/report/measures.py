@@ -116,7 +116,8 @@ def count_forwards(*models: torch.nn.Module) -> Iterator[list[int]]:
     def hook(*_: Any) -> None:
         counter[0] += 1
 
-    handles = [m.register_forward_pre_hook(hook) for m in models]
+    # None: the missing second expert of a one-transformer teacher (TI2V-5B)
+    handles = [m.register_forward_pre_hook(hook) for m in models if m is not None]
     try:
         yield counter
     finally:
@@ -174,17 +175,23 @@ def _image(images: Images | None, index: int) -> torch.Tensor | None:
 
 
 def _condition(
-    vae: Any, images: Images | None, index: int, settings: EvalSettings, device: torch.device
+    vae: Any,
+    images: Images | None,
+    index: int,
+    settings: EvalSettings,
+    device: torch.device,
+    kind: TeacherKind,
 ) -> Condition | None:
-    """What prompt `index`'s image adds to every forward (models/conditioning.py), or None."""
+    """What prompt `index`'s image adds to every forward for the teacher's `kind`
+    (models/conditioning.py), or None (text to video)."""
     if images is None:
         return None
-    return image_condition(vae, images[index], settings.num_frames, device=device)
+    return image_condition(vae, images[index], settings.num_frames, device=device, kind=kind)
 
 
 def build_reference(
     high: torch.nn.Module,
-    low: torch.nn.Module,
+    low: torch.nn.Module | None,
     info: TeacherInfo,
     conds: Mapping[int, torch.Tensor],
     negative: torch.Tensor,
@@ -197,12 +204,14 @@ def build_reference(
     with_probes: bool = True,
     images: Images | None = None,
 ) -> TeacherReference:
-    """Sample this rank's prompts with the teacher (both experts, its guidance) and, with
+    """Sample this rank's prompts with the teacher (both experts, or its one transformer, with its
+    guidance) and, with
     `with_probes`, its guided velocities at the denoiser probes.
 
     `conds` maps a global prompt index to its zero-padded embedding (L, D) (this rank's indices
     suffice); `negative` is the zero-padded negative-prompt embedding (L, D). `images` (an
-    image-to-video teacher) maps each index to its first frame.
+    image-to-video teacher, or TI2V-5B in image mode) maps each index to its first frame; None is
+    text to video.
     """
     with image_vae(info, images, device) as vae:
         return _build_reference(
@@ -224,7 +233,7 @@ def build_reference(
 
 def _build_reference(
     high: torch.nn.Module,
-    low: torch.nn.Module,
+    low: torch.nn.Module | None,
     info: TeacherInfo,
     conds: Mapping[int, torch.Tensor],
     negative: torch.Tensor,
@@ -240,7 +249,9 @@ def _build_reference(
     items = rank_share(num_prompts, rank, world_size)
     shape = info.latent_shape(settings.height, settings.width, settings.num_frames)
     kind = kind_of(info)
-    pipe = teacher_pipeline(high, low, info.boundary_ratio, load_scheduler(info.path), kind, vae=vae)
+    pipe = teacher_pipeline(
+        high, low, info.boundary_ratio, load_scheduler(info.path), kind, image=images is not None, vae=vae
+    )
     negative = negative.reshape(1, *negative.shape[-2:])
 
     def run(index: int, steps: int) -> torch.Tensor:
@@ -289,7 +300,7 @@ def _build_reference(
         for (index, _), x0 in zip(items, latents):
             x_t = probe_inputs(x0, timesteps, probe_seed(settings.seed, index))
             cond = _cond(conds, index).to(device, torch.float32)
-            condition = _condition(vae, images, index, settings, device)
+            condition = _condition(vae, images, index, settings, device, kind)
             chunks = [
                 teacher.velocity(
                     x.to(device),
@@ -390,7 +401,7 @@ def _compare_student(
                 reference.targets[position],
                 device,
                 settings.probe_batch,
-                _condition(vae, images, index, settings, device),
+                _condition(vae, images, index, settings, device, kind_of(info)),
                 kind_of(info),
             )
         if not keep:
@@ -439,7 +450,7 @@ def student_sampler(
     shape = info.latent_shape(settings.height, settings.width, settings.num_frames)
     kind = kind_of(info)
     if settings.student_scheduler is None:
-        pipe = student_pipeline(student, load_scheduler(info.path), kind, vae=vae)
+        pipe = student_pipeline(student, load_scheduler(info.path), kind, image=images is not None, vae=vae)
 
         def run(index: int, steps: int) -> torch.Tensor:
             noise = initial_noise(shape, settings.seed + index)
@@ -453,7 +464,7 @@ def student_sampler(
     def run_few_step(index: int, steps: int) -> torch.Tensor:
         seed = settings.seed + index
         noise = initial_noise(shape, seed)
-        condition = _condition(vae, images, index, settings, noise.device)
+        condition = _condition(vae, images, index, settings, noise.device, kind)
         latent = sample_few_step(
             student, scheduler, steps, _cond(conds, index), shape, seed, noise, condition=condition, kind=kind
         )

@@ -55,6 +55,7 @@ from distill.report.prompt_sets import DEFAULT_SAMPLE_PROMPTS, PromptSet, read_p
 # DEFAULT_SAMPLE_PROMPTS is re-exported: the tests import it from here.
 __all__ = ["DEFAULT_SAMPLE_PROMPTS", "EvalOutput", "SampleMonitor", "SampleSettings", "sampling_weights"]
 from distill.report.summary import flat_metrics, gather_and_write
+from distill.sample.image_inputs import data_takes_images
 from distill.sample.media import (
     first_frames,
     latent_preview,
@@ -128,6 +129,9 @@ class SampleSettings:
     """dmd: shift of the student's K-step flow-match scheduler."""
     student_shift_terminal: float | None = None
     """dmd: the sigma the student's last step lands at (None: the shifted grid as it is)."""
+    data_path: str | None = None
+    """The training prompts: for a teacher with two modes (TI2V-5B), whether they pair images says
+    the run's mode, and so whether the samples start from images."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> SampleSettings:
@@ -244,7 +248,8 @@ class SampleMonitor:
         self.rank, self.world_size, self.barrier = rank, world_size, barrier
         self.is_main = rank == 0
         # Only the files a run uses are read (an image-to-video run has no default to fall back on).
-        size = (info, settings.height, settings.width)
+        self.image_mode = data_takes_images(info.kind, settings.data_path)
+        size = (info, settings.height, settings.width, self.image_mode)
         own_evals = settings.eval_prompts is not None
         self.samples = PromptSet([])
         if settings.save_samples or (settings.eval_interval > 0 and not own_evals):
@@ -279,7 +284,7 @@ class SampleMonitor:
     def start(
         self,
         teacher_high: torch.nn.Module,
-        teacher_low: torch.nn.Module,
+        teacher_low: torch.nn.Module | None,
         embeddings: EmbeddingSource | Mapping[str, torch.Tensor],
         negative: torch.Tensor,
     ) -> list[Path]:
@@ -351,7 +356,10 @@ class SampleMonitor:
         settings = self.settings
         student_steps = settings.student_steps if settings.few_step else settings.sample_steps
         # Every row says its model, steps and guidance: the two can run different step counts.
-        teacher = f"teacher\n{settings.sample_steps} steps\nguidance {settings.guidance_scale:g} / {settings.guidance_scale_2:g}"
+        guidance = f"{settings.guidance_scale:g}"
+        if self.info.boundary_ratio is not None:  # two experts, each its own guidance
+            guidance += f" / {settings.guidance_scale_2:g}"
+        teacher = f"teacher\n{settings.sample_steps} steps\nguidance {guidance}"
         student_label = f"student\n{student_steps} steps\nguidance 1"
         # A clip's row shows a strip of its frames, so the motion is visible in a still picture.
         rows = [
@@ -391,7 +399,7 @@ class SampleMonitor:
         else:
             if self._scheduler is None:
                 self._scheduler = load_scheduler(self.info.path)
-            pipe = student_pipeline(model, self._scheduler)
+            pipe = student_pipeline(model, self._scheduler, self.info.kind, image=False)
 
             def run(index: int, steps: int) -> torch.Tensor:
                 noise = initial_noise(self.latent_shape, settings.sample_seed + index)
@@ -482,6 +490,6 @@ class SampleMonitor:
             return None
         from distill.report.plots import plot_loss
 
-        path = plot_loss(metrics_jsonl, out_png)
+        path = plot_loss(metrics_jsonl, out_png, experts=1 if self.info.boundary_ratio is None else 2)
         self._last_loss_plot = now if path is not None else self._last_loss_plot
         return path

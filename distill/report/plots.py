@@ -40,8 +40,9 @@ def read_metrics(metrics_jsonl: str | Path) -> list[dict[str, float]]:
     return [by_step[step] for step in sorted(by_step)]
 
 
-def plot_loss(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
-    """loss.png: total loss and the loss of each expert's timestep range against the step.
+def plot_loss(metrics_jsonl: str | Path, out_png: str | Path, experts: int = 2) -> Path | None:
+    """loss.png: total loss and the loss of each expert's timestep range against the step (with
+    `experts` 1, a teacher of one transformer, the total alone: its one range is all of it).
 
     Returns None (and writes nothing) when metrics.jsonl has no rows yet.
     """
@@ -56,6 +57,8 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
         ("loss_low_noise", "low-noise range (transformer_2)", "tab:blue"),
         ("critic_loss", "critic (dmd)", "tab:green"),
     )
+    if experts == 1:
+        series = tuple(entry for entry in series if not entry[0].startswith("loss_"))
     dmd = any(r.get("critic_loss") is not None for r in rows)
     for key, label, color in series:
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and r[key] > 0]
@@ -97,7 +100,7 @@ def plot_eval(result: dict[str, Any], out_png: str | Path) -> Path:
         1, len(ratios), figsize=(5 * len(ratios), 4), gridspec_kw={"width_ratios": ratios}
     )
     cost = result["cost"]
-    _plot_denoiser(axes[0], result["denoiser"], result["boundary_timestep"], _guidance(cost["teacher"]))
+    _plot_denoiser(axes[0], result["denoiser"], result.get("boundary_timestep"), _guidance(cost["teacher"]))
     _plot_sampler(axes[1], result["sampler"], f"{_who('student', cost)} vs {_who('teacher', cost)}")
     _plot_cost(axes[2], cost)
     if toy:
@@ -109,7 +112,8 @@ def plot_eval(result: dict[str, Any], out_png: str | Path) -> Path:
 
 
 def _guidance(entry: dict[str, Any]) -> str:
-    """'4 / 3' for the teacher's two experts, '1' for a student (older eval.json: unknown)."""
+    """'4 / 3' for the teacher's two experts, '5' for one transformer, '1' for a student (older
+    eval.json: unknown)."""
     scales = entry.get("guidance_scale")
     return " / ".join(f"{g:g}" for g in scales) if scales else "?"
 
@@ -121,18 +125,24 @@ def _who(name: str, cost: dict[str, Any], sep: str = ", ") -> str:
     return f"{model}{sep}{entry['steps']} steps{sep}guidance {_guidance(entry)}"
 
 
-def _plot_denoiser(ax: Any, denoiser: dict[str, Any], boundary: float, guidance: str) -> None:
+def _plot_denoiser(ax: Any, denoiser: dict[str, Any], boundary: float | None, guidance: str) -> None:
     buckets = [b for b in denoiser["buckets"] if b["count"]]
     centres = [(b["t_min"] + b["t_max"]) / 2 for b in buckets]
     widths = [0.8 * (b["t_max"] - b["t_min"]) for b in buckets]
     ax.bar(centres, [b["mse"] for b in buckets], width=widths, color="tab:purple")
-    ax.axvline(boundary, color="gray", linestyle="--", linewidth=1, label=f"expert switch (t = {boundary:g})")
-    ax.legend(loc="lower left", fontsize=8)
     experts = denoiser["by_expert"]
+    by_range = ""
+    if boundary is not None:  # two experts; a one-transformer teacher (TI2V-5B) has no switch
+        ax.axvline(
+            boundary, color="gray", linestyle="--", linewidth=1, label=f"expert switch (t = {boundary:g})"
+        )
+        ax.legend(loc="lower left", fontsize=8)
+        by_range = (
+            f"high-noise {experts['high_noise']['mse']:.4g}, low-noise {experts['low_noise']['mse']:.4g}, "
+        )
     ax.set_title(
         f"denoiser: student vs teacher at guidance {guidance}, same x_t\n"
-        f"MSE (lower is better): high-noise {experts['high_noise']['mse']:.4g}, "
-        f"low-noise {experts['low_noise']['mse']:.4g}, all {denoiser['mse']:.4g}",
+        f"MSE (lower is better): {by_range}all {denoiser['mse']:.4g}",
         fontsize=10,
     )
     ax.set_xlabel("timestep t (1000 = pure noise)")

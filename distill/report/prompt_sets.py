@@ -2,9 +2,10 @@
 the image each prompt's video starts from.
 
 A text-to-video run reads a prompt file (default: the held-out data/sample_prompts.txt). An
-image-to-video run needs prompts paired with images (`.jsonl` / `.csv` / `.tsv` with `prompt` and
-`image`, distill/data/images.py), which no shipped file can hold for the user's data: the flag must
-name one, and a file without images is refused naming it.
+image-to-video run (an I2V-A14B teacher, or TI2V-5B on data that pairs images) needs prompts paired
+with images (`.jsonl` / `.csv` / `.tsv` with `prompt` and `image`, distill/data/images.py), which no
+shipped file can hold for the user's data: the flag must name one, and a file without images is
+refused naming it.
 """
 
 from __future__ import annotations
@@ -34,15 +35,27 @@ class PromptSet:
 
 
 def read_prompt_set(
-    path: str | Path | None, flag: str, info: TeacherInfo, height: int, width: int
+    path: str | Path | None,
+    flag: str,
+    info: TeacherInfo,
+    height: int,
+    width: int,
+    image: bool | None = None,
 ) -> PromptSet:
     """The prompts of `path` (None: the default held-out file) for `--flag`, with their images
-    preprocessed as the stock pipeline does when the teacher turns images into videos."""
-    if takes_images(info.kind):
+    preprocessed as the stock pipeline does when the run turns images into videos. `image` is the
+    run's mode (TI2V-5B: its data's); None: the teacher's own (image to video for I2V-A14B)."""
+    if image is None:
+        image = takes_images(info.kind)
+    if image:
         if path is None:
+            who = (
+                f"an image-to-video teacher ({info.kind.model})"
+                if takes_images(info.kind)
+                else f"an image-to-video run ({info.kind.model} in image mode: the run's --data_path pairs images)"
+            )
             raise DistillError(
-                f"--{flag}: an image-to-video teacher ({info.kind.model}) samples each prompt from its "
-                "image, and the default sample prompts have none",
+                f"--{flag}: {who} samples each prompt from its image, and the default sample prompts have none",
                 fixes=[
                     f"pass --{flag} with held-out pairs: a .jsonl of "
                     '{"prompt": "...", "image": "images/0.png"} lines (paths relative to the file)'

@@ -41,7 +41,7 @@ def _mean(values: Sequence[float]) -> float:
     return float(np.mean(values)) if len(values) else float("nan")
 
 
-def _denoiser_summary(probes: list[list[float]], num_buckets: int, boundary: float) -> dict[str, Any]:
+def _denoiser_summary(probes: list[list[float]], num_buckets: int, boundary: float | None) -> dict[str, Any]:
     t = np.array([p[0] for p in probes])
     mse = np.array([p[1] for p in probes])
     power = np.array([p[2] for p in probes])
@@ -61,19 +61,25 @@ def _denoiser_summary(probes: list[list[float]], num_buckets: int, boundary: flo
                 else None,
             }
         )
-    high = t >= boundary
-    return {
-        "mse": _mean(mse),
-        "relative_mse": float(mse.sum() / max(power.sum(), 1e-12)),
-        "count": int(len(mse)),
-        "by_expert": {
+    if boundary is None:  # one transformer (TI2V-5B): one range, named as its folder is
+        by_expert = {
+            "transformer": {"t_range": [0.0, NUM_TRAIN_TIMESTEPS], "count": int(len(mse)), "mse": _mean(mse)}
+        }
+    else:
+        high = t >= boundary
+        by_expert = {
             "high_noise": {
                 "t_range": [boundary, NUM_TRAIN_TIMESTEPS],
                 "count": int(high.sum()),
                 "mse": _mean(mse[high]),
             },
             "low_noise": {"t_range": [0.0, boundary], "count": int((~high).sum()), "mse": _mean(mse[~high])},
-        },
+        }
+    return {
+        "mse": _mean(mse),
+        "relative_mse": float(mse.sum() / max(power.sum(), 1e-12)),
+        "count": int(len(mse)),
+        "by_expert": by_expert,
         "buckets": buckets,
     }
 
@@ -81,16 +87,20 @@ def _denoiser_summary(probes: list[list[float]], num_buckets: int, boundary: flo
 def summarize(
     records: Sequence[dict[str, Any]],
     settings: EvalSettings,
-    boundary_ratio: float,
+    boundary_ratio: float | None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The eval.json content from the per-prompt records of all ranks."""
+    """The eval.json content from the per-prompt records of all ranks. `boundary_ratio` None: a
+    teacher with one transformer (no expert switch: `boundary_timestep` null, one guidance)."""
     records = sorted(records, key=lambda r: r["index"])
     teacher_s = _mean([r["teacher_seconds"] for r in records])
     student_s = _mean([r["student_seconds"] for r in records])
     teacher_f = _mean([r["teacher_forwards"] for r in records])
     student_f = _mean([r["student_forwards"] for r in records])
-    boundary = boundary_ratio * NUM_TRAIN_TIMESTEPS
+    boundary = None if boundary_ratio is None else boundary_ratio * NUM_TRAIN_TIMESTEPS
+    teacher_guidance = [settings.guidance_scale]
+    if boundary is not None:
+        teacher_guidance.append(settings.guidance_scale_2)
     probes = [p for r in records for p in r["probes"]]
     result: dict[str, Any] = dict(extra or {})
     result.update(
@@ -115,7 +125,7 @@ def summarize(
                     "seconds_per_sample": teacher_s,
                     "forwards_per_sample": teacher_f,
                     "steps": settings.steps,
-                    "guidance_scale": [settings.guidance_scale, settings.guidance_scale_2],
+                    "guidance_scale": teacher_guidance,
                 },
                 "student": {
                     "seconds_per_sample": student_s,
@@ -163,8 +173,9 @@ def flat_metrics(result: Mapping[str, Any], prefix: str = "eval/") -> dict[str, 
     if denoiser:
         metrics["denoiser_mse"] = denoiser["mse"]
         metrics["denoiser_relative_mse"] = denoiser["relative_mse"]
-        metrics["denoiser_mse_high_noise"] = denoiser["by_expert"]["high_noise"]["mse"]
-        metrics["denoiser_mse_low_noise"] = denoiser["by_expert"]["low_noise"]["mse"]
+        for name, part in denoiser["by_expert"].items():
+            if name != "transformer":  # one transformer: its range is all of denoiser_mse
+                metrics[f"denoiser_mse_{name}"] = part["mse"]
     return {prefix + k: float(v) for k, v in metrics.items()}
 
 
@@ -187,7 +198,7 @@ def write_report(result: Mapping[str, Any], output_dir: str | Path) -> list[Path
 def gather_and_write(
     records: list[dict[str, Any]],
     settings: EvalSettings,
-    boundary_ratio: float,
+    boundary_ratio: float | None,
     output_dir: str | Path,
     *,
     rank: int = 0,
@@ -221,7 +232,7 @@ def gather_and_write(
 def evaluate_student(
     student: torch.nn.Module,
     high: torch.nn.Module,
-    low: torch.nn.Module,
+    low: torch.nn.Module | None,
     info: TeacherInfo,
     embeddings: Mapping[str, torch.Tensor],
     negative: torch.Tensor,

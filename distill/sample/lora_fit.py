@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from distill.models.lora import EXPERTS, LoraShape, target_sizes
+from distill.models.lora import LoraShape, target_sizes
 from distill.models.lora_folder import BLOCK_MODULES, EXPERT_FOLDERS, KIND_KEY, LoraFolder, check_lora_folder
 from distill.models.student_kind import described, kind_named
 from distill.models.teacher_kind import KINDS, TeacherKind, read_teacher_kind
@@ -67,8 +67,9 @@ def recorded_kind(found: LoraFolder) -> tuple[TeacherKind, str] | None:
             value = settings.get(key)
             if not isinstance(value, str) or not value:
                 continue
-            if key == PIPELINE_KEY:  # adapters of two experts: an A14B model's pipeline
-                kind = next((k for k in KINDS if k.experts == 2 and k.pipeline_class == value), None)
+            if key == PIPELINE_KEY:  # the model with this pipeline and as many experts as the folder
+                experts = len(found.experts)
+                kind = next((k for k in KINDS if k.experts == experts and k.pipeline_class == value), None)
             else:
                 kind = kind_at(value) if key == "teacher_path" else kind_named(value)
             if kind is not None:
@@ -115,8 +116,10 @@ def check_lora_kind(found: LoraFolder, teacher: Any, flag: str, extra_fixes: Seq
 
 def check_fits_teacher(found: LoraFolder, teacher: Any, flag: str, extra_fixes: Sequence[str] = ()) -> None:
     """Refuse adapters whose shapes or blocks are not those of `teacher`'s experts, before any weight
-    is applied, naming the file, the key, both shapes and the teacher they were trained on."""
-    for which in EXPERTS:
+    is applied, naming the file, the key, both shapes and the teacher they were trained on; first,
+    adapters for two experts on a teacher with one transformer, or the reverse."""
+    check_expert_count(found, teacher, flag, extra_fixes)
+    for which in found.experts:
         config = _expert_config(teacher, which)
         sizes = target_sizes(config)
         layers = int(config["num_layers"])
@@ -156,6 +159,32 @@ def check_fits_teacher(found: LoraFolder, teacher: Any, flag: str, extra_fixes: 
             ],
             stage=Stage.CONFIG,  # the folder a flag names: refused as a config mistake, before any work
         )
+
+
+def check_expert_count(found: LoraFolder, teacher: Any, flag: str, extra_fixes: Sequence[str] = ()) -> None:
+    """Refuse a folder with adapters for another number of experts than `teacher` has (A14B: two,
+    TI2V-5B: one transformer): one file set would be left without an expert, or an expert without
+    its adapters."""
+    theirs, ours = len(found.experts), len(teacher.expert_folders)
+    if theirs == ours:
+        return
+    files = ", ".join(found.file(which).name for which in found.experts)
+    recorded = _recorded_teacher(found.path)
+
+    def experts(count: int) -> str:
+        return "two experts (transformer, transformer_2)" if count == 2 else "one transformer"
+
+    raise DistillError(
+        f"{flag} {found.path}: the LoRA adapters are for {experts(theirs)}; this teacher has {experts(ours)}",
+        f"{found.path}: {files}\nthis teacher: {teacher.path}: {teacher.kind.model}, {experts(ours)}"
+        + (f"\ntrained on: {recorded[0]} (as {recorded[1]} records)" if recorded else ""),
+        causes=["the adapters were trained on another Wan 2.2 model (A14B: two experts; TI2V-5B: one)"],
+        fixes=[
+            f"pass the teacher they were trained on: --teacher_path {recorded[0] if recorded else 'TEACHER'}",
+            *extra_fixes,
+        ],
+        stage=Stage.CONFIG,  # the folder a flag names: refused as a config mistake, before any work
+    )
 
 
 def _expert_config(teacher: Any, which: str) -> dict[str, Any]:

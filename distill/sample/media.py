@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from distill.ops.errors import DistillError, Stage
+
 FPS = 16  # Wan 2.x generates 16 frames per second
 
 
@@ -325,3 +327,26 @@ def write_files_gif(rows: Sequence[tuple[str, Sequence[Path]]], out_path: str | 
     return write_side_by_side_gif(
         [(label, [read_frames(f) for f in files]) for label, files in rows], out_path
     )
+
+
+def output_paths(output: str | Path, count: int, num_frames: int) -> list[Path]:
+    """Where each prompt's sample goes: one prompt, `output` is the file (its suffix added when
+    missing); several prompts, or an existing folder, a folder of prompt_00.png (or .mp4), ..."""
+    output = Path(output)
+    suffix = media_suffix(num_frames)
+    if count > 1 or output.is_dir():
+        if output.suffix.lower() in (".png", ".mp4"):
+            raise DistillError(
+                f"--output {output} names a file, but there are {count} prompts",
+                fixes=[f"pass a folder, e.g. --output {output.with_suffix('')}/"],
+                stage=Stage.ARGV,
+            )
+        return [output / f"prompt_{i:02d}{suffix}" for i in range(count)]
+    if output.suffix and output.suffix.lower() != suffix:
+        kind = "image" if num_frames == 1 else f"{num_frames}-frame video"
+        raise DistillError(
+            f"--output {output}: a {kind} is written as {suffix}",
+            fixes=[f"use --output {output.with_suffix(suffix)}"],
+            stage=Stage.ARGV,
+        )
+    return [output.with_suffix(suffix)]

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from distill.models.student_kind import kind_named
+from distill.models.teacher_kind import I2V_A14B, T2V_A14B, TI2V_5B, TeacherKind
 from distill.sample.run_settings import RunSettings, write_run_settings
 
 CARD_FILE = "README.md"
@@ -50,12 +52,36 @@ def _guidance_advice(settings: RunSettings) -> str:
     )
 
 
+def teacher_model(settings: RunSettings) -> TeacherKind:
+    """The teacher's Wan 2.2 model as the run recorded it (files without the record: T2V-A14B, or
+    I2V-A14B for an image-to-video run, the only models there were)."""
+    named = kind_named(settings.teacher_kind)
+    if named is not None:
+        return named
+    return I2V_A14B if settings.takes_image else T2V_A14B
+
+
+def short_name(settings: RunSettings) -> str:
+    """How the card's title names the student's model and mode: T2V, I2V, TI2V-5B text to video, ..."""
+    kind = teacher_model(settings)
+    if kind == TI2V_5B:
+        return f"TI2V-5B ({'image' if settings.takes_image else 'text'} to video)"
+    return "I2V" if settings.takes_image else "T2V"
+
+
+def replaced(settings: RunSettings) -> str:
+    """What the student stands in for: both experts of an A14B teacher, or TI2V-5B's one transformer."""
+    return "the teacher's transformer" if settings.one_transformer else "both teacher experts"
+
+
 def card_metadata(settings: RunSettings) -> Any:
     """The card's YAML header as huggingface_hub's ModelCardData."""
     from huggingface_hub import ModelCardData
 
     task = "image-to-video" if settings.takes_image else "text-to-video"
     tags = ["wan", "wan2.2", task, "distillation", f"{settings.method}-distillation"]
+    if teacher_model(settings) == TI2V_5B:
+        tags.append("ti2v")
     if settings.num_frames == 1 and not settings.takes_image:
         tags.append("text-to-image")
     return ModelCardData(
@@ -87,6 +113,12 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
             "# this folder: its path here, or the hub id it was uploaded to",
             f"pipe = {pipeline}.from_pretrained({folder_ref!r}, torch_dtype=dtype)",
         ]
+    elif kind == "lora" and settings.one_transformer:
+        lines += [
+            "# the teacher itself, with its adapter (this folder: its path, or the hub id it was uploaded to)",
+            f"pipe = {pipeline}.from_pretrained({settings.teacher_path!r}, torch_dtype=dtype)",
+            f'pipe.load_lora_weights({folder_ref!r}, weight_name="lora.safetensors", adapter_name="fast")',
+        ]
     elif kind == "lora":
         lines += [
             "# the teacher itself, with one adapter per expert (this folder: its path, or the hub id it was uploaded to)",
@@ -101,7 +133,8 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
         lines += [
             "# this folder: its path here, or the hub id it was uploaded to",
             f"student = WanTransformer3DModel.from_pretrained({folder_ref!r}, torch_dtype=dtype)",
-            "# tokenizer, text encoder, VAE and scheduler come from the teacher; the student replaces both experts",
+            "# tokenizer, text encoder, VAE and scheduler come from the teacher; the student replaces "
+            + replaced(settings),
             f"pipe = {pipeline}.from_pretrained(",
             f"    {settings.teacher_path!r},",
             "    transformer=student,",
@@ -193,6 +226,15 @@ def _eval_section(result: Mapping[str, Any] | None) -> list[str]:
     ]
 
 
+def _teacher_words(settings: RunSettings) -> str:
+    if settings.one_transformer:
+        return f"one transformer at every timestep, guidance {settings.teacher_guidance_scale}"
+    return (
+        f"both experts, switched at t = {settings.boundary_ratio} x 1000, guidance "
+        f"{settings.teacher_guidance_scale} (high-noise) / {settings.teacher_guidance_scale_2} (low-noise)"
+    )
+
+
 def model_card_text(
     settings: RunSettings, kind: str, folder_ref: str, eval_result: Mapping[str, Any] | None = None
 ) -> str:
@@ -205,7 +247,15 @@ def model_card_text(
         f"with {settings.num_inference_steps} steps (more steps follow the teacher more closely, fewer are faster)"
     )
     what = {"pipeline": "pipeline folder", "lora": "LoRA adapters"}.get(kind, "transformer")
-    if kind == "lora":
+    if kind == "lora" and settings.one_transformer:
+        about = [
+            f"A LoRA adapter for the one transformer of `{teacher}` ({settings.method} distillation, "
+            f"{settings.trained_steps} optimizer steps): the teacher itself with the adapter, one forward",
+            "per step and no classifier-free guidance at sampling time. `comfyui/` holds the same adapter in",
+            "Wan key names (`diffusion_model.blocks.N.self_attn.q.lora_down.weight`, with `.alpha`) for ComfyUI",
+            "and other Wan-format tools, at strength 1.",
+        ]
+    elif kind == "lora":
         about = [
             f"LoRA adapters for both experts of `{teacher}` ({settings.method} distillation, "
             f"{settings.trained_steps} optimizer steps): the teacher itself, one adapter per expert, one forward",
@@ -217,7 +267,7 @@ def model_card_text(
     else:
         about = [
             f"A compact `WanTransformer3DModel` distilled from `{teacher}` ({settings.method} distillation,",
-            f"{settings.trained_steps} optimizer steps). It replaces both teacher experts: one model, one forward",
+            f"{settings.trained_steps} optimizer steps). It replaces {replaced(settings)}: one model, one forward",
             "per step, no classifier-free guidance at sampling time.",
         ]
     if settings.takes_image:
@@ -226,8 +276,20 @@ def model_card_text(
             f"It turns an image into a video, as the teacher does: every call of `{settings.pipeline_class}`",
             "takes the first frame as `image=` (resized to height x width by the pipeline, as in training).",
         ]
+    if teacher_model(settings) == TI2V_5B:
+        other = (
+            "text to video (`WanPipeline`)"
+            if settings.takes_image
+            else "image to video (`WanImageToVideoPipeline`)"
+        )
+        about += [
+            "",
+            f"The teacher, Wan2.2-TI2V-5B, has two modes; this student was distilled in "
+            f"{'image' if settings.takes_image else 'text'} to video only",
+            f"(`{settings.pipeline_class}`, `expand_timesteps` true: a timestep per token). It has not learned {other}.",
+        ]
     body = [
-        f"# Wan 2.2 {'I2V' if settings.takes_image else 'T2V'} distilled student ({what})",
+        f"# Wan 2.2 {short_name(settings)} distilled student ({what})",
         "",
         *about,
         "",
@@ -254,9 +316,7 @@ def model_card_text(
         "",
         "## Training",
         "",
-        f"- teacher: `{teacher}` (both experts, switched at t = {settings.boundary_ratio} x 1000), guidance "
-        f"{settings.teacher_guidance_scale} (high-noise) / {settings.teacher_guidance_scale_2} (low-noise), "
-        f"negative prompt {settings.negative_prompt!r}",
+        f"- teacher: `{teacher}` ({_teacher_words(settings)}), negative prompt {settings.negative_prompt!r}",
         f"- clean latents from {settings.teacher_sample_steps} teacher steps; training timesteps with flow "
         f"shift {settings.flow_shift}",
         "",

@@ -1,5 +1,6 @@
 """`<output_dir>/pipeline/`: a folder the teacher's stock pipeline class (`WanPipeline`, or
-`WanImageToVideoPipeline` for an image-to-video teacher) loads with `from_pretrained` as it is,
+`WanImageToVideoPipeline` for an image-to-video teacher, or the one of a TI2V-5B run's mode) loads
+with `from_pretrained` as it is,
 holding the student as its transformer and links to the teacher's text encoder, tokenizer and VAE,
 so nothing of the teacher is copied. The same links make a LoRA run's merged/ experts of an
 image-to-video teacher a pipeline folder too."""
@@ -17,6 +18,8 @@ from distill.ops.errors import DistillError, Stage
 
 SHARED_COMPONENTS = ("text_encoder", "tokenizer", "vae", "scheduler")
 INDEX = "model_index.json"
+# What WanImageToVideoPipeline lists besides WanPipeline's components: no Wan 2.2 model has them.
+IMAGE_PIPELINE_EXTRAS = ("image_encoder", "image_processor")
 
 
 def write_pipeline_folder(
@@ -24,9 +27,15 @@ def write_pipeline_folder(
     teacher_path: str | Path,
     student_dir: str | Path,
     scheduler_config: Mapping[str, Any] | None = None,
+    pipeline_class: str | None = None,
 ) -> Path:
     """Write `<output_dir>/pipeline/` so `<pipeline class>.from_pretrained(<output_dir>/pipeline)`
     loads the student.
+
+    `pipeline_class` (default: the teacher's `_class_name`) is the run's stock pipeline: a TI2V-5B
+    teacher saves WanPipeline, and a student distilled in its image mode is written as
+    WanImageToVideoPipeline (with its image encoder and processor null, as no Wan 2.2 model has
+    one); `expand_timesteps` stays as the teacher wrote it.
 
     The folder holds a model_index.json (the teacher's, with `transformer_2` and `boundary_ratio`
     removed; its `_class_name` and the image-to-video teacher's null image_encoder /
@@ -42,6 +51,7 @@ def write_pipeline_folder(
     index = json.loads((teacher / INDEX).read_text())
     index["transformer_2"] = [None, None]
     index["boundary_ratio"] = None
+    index = _as_class(index, pipeline_class)
     folder = output_dir / "pipeline"
     staging = output_dir / f".pipeline.{os.getpid()}.tmp"
     _remove(staging)
@@ -61,20 +71,39 @@ def write_pipeline_folder(
 
 
 def make_pipeline_of_experts(
-    folder: str | Path, teacher_path: str | Path, scheduler_config: Mapping[str, Any] | None = None
+    folder: str | Path,
+    teacher_path: str | Path,
+    scheduler_config: Mapping[str, Any] | None = None,
+    pipeline_class: str | None = None,
 ) -> Path:
     """Turn `folder`, which holds transformer/ and transformer_2/ (the experts with a LoRA run's
     adapters merged in), into a folder the teacher's pipeline class loads: the teacher's
     model_index.json (both experts, its boundary) and links to its shared components, with the
-    run's own scheduler when it has one (as `write_pipeline_folder`)."""
+    run's own scheduler when it has one, and the run's pipeline class (as `write_pipeline_folder`;
+    TI2V-5B's one transformer too)."""
     folder, teacher = Path(folder), Path(teacher_path).resolve()
-    index = json.loads((teacher / INDEX).read_text())
+    index = _as_class(json.loads((teacher / INDEX).read_text()), pipeline_class)
     try:
         index.update(link_shared_components(folder, teacher, scheduler_config))
         _write_index(folder, index)
     except OSError as exc:
         raise _no_links(folder, exc) from None
     return folder
+
+
+def _as_class(index: dict[str, Any], pipeline_class: str | None) -> dict[str, Any]:
+    """The teacher's model_index.json as `pipeline_class` (None: as it is) saves one: a TI2V-5B
+    teacher saves WanPipeline, and its image mode is WanImageToVideoPipeline, whose image encoder
+    and processor no Wan 2.2 model has (null)."""
+    if pipeline_class is None or pipeline_class == index.get("_class_name"):
+        return index
+    index["_class_name"] = pipeline_class
+    for name in IMAGE_PIPELINE_EXTRAS:
+        if pipeline_class == "WanImageToVideoPipeline":
+            index.setdefault(name, [None, None])
+        else:
+            index.pop(name, None)
+    return index
 
 
 def link_shared_components(

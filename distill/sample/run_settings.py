@@ -10,6 +10,10 @@ prompt embeddings zero-padded to one length (no attention mask, so the padding l
 the output). WanPipeline's own defaults (guidance 5.0, 50 steps, 480x832, 512 tokens) are not
 those.
 
+A teacher with two modes (Wan2.2-TI2V-5B) is distilled in the mode of the run's data: `pipeline_class`
+records it (WanImageToVideoPipeline: image to video; WanPipeline: text to video) and `teacher_kind`
+names the model, so the tools refuse inputs of the other mode.
+
 A distillation method decides how its student samples: `settings_from_run(..., num_inference_steps=4,
 scheduler={...}, scheduler_note="...")` records a few-step student's own step count and scheduler.
 """
@@ -23,7 +27,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from distill.models.teacher_kind import T2V_A14B
+from distill.models.teacher_kind import KINDS, T2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
 
 RUN_SETTINGS_FILE = "run_settings.json"
@@ -36,6 +40,8 @@ KNOWN_TEACHERS = {
     "Wan2.2-T2V-A14B": "Wan-AI/Wan2.2-T2V-A14B",
     "Wan2.2-I2V-A14B-Diffusers": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
     "Wan2.2-I2V-A14B": "Wan-AI/Wan2.2-I2V-A14B",
+    "Wan2.2-TI2V-5B-Diffusers": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+    "Wan2.2-TI2V-5B": "Wan-AI/Wan2.2-TI2V-5B",
 }
 # huggingface_hub's cache folder of a repo: models--ORG--NAME (hub names never hold "--").
 _HUB_CACHE_FOLDER = re.compile(r"^models--(?P<org>.+?)--(?P<name>.+)$")
@@ -71,14 +77,14 @@ class RunSettings:
     """Hub id of the teacher when known (the model card's base_model)."""
     teacher_guidance_scale: float = 4.0
     """Guidance of the teacher's high-noise expert in training."""
-    teacher_guidance_scale_2: float = 3.0
-    """Guidance of the teacher's low-noise expert in training."""
+    teacher_guidance_scale_2: float | None = 3.0
+    """Guidance of the teacher's low-noise expert in training; None for a teacher with one transformer."""
     negative_prompt: str = ""
     """Negative prompt of the teacher's guidance in training."""
     flow_shift: float = 3.0
     """Shift of the training timestep schedule."""
-    boundary_ratio: float = 0.875
-    """The teacher's expert switch, as a fraction of 1000 timesteps."""
+    boundary_ratio: float | None = 0.875
+    """The teacher's expert switch, as a fraction of 1000 timesteps; None for one transformer."""
     teacher_sample_steps: int = 40
     """Teacher sampler steps behind each clean latent."""
     sample_seed: int = 0
@@ -89,19 +95,33 @@ class RunSettings:
     """Version of this file's layout."""
     pipeline_class: str = TEXT_TO_VIDEO_PIPELINE
     """The stock diffusers pipeline that samples the student: WanPipeline (text to video), or
-    WanImageToVideoPipeline (image to video: every call takes `image=`, the video's first frame)."""
+    WanImageToVideoPipeline (image to video: every call takes `image=`, the video's first frame).
+    For TI2V-5B it is the mode the run distilled: its data's."""
+    teacher_kind: str | None = None
+    """The teacher's model (models/teacher_kind.py short name, e.g. ti2v-5b), written for TI2V-5B
+    only; None in a file: the model its pipeline_class names (WanPipeline: T2V-A14B)."""
 
     @property
     def takes_image(self) -> bool:
         """Whether the student turns an image into a video (its pipeline needs `image=`)."""
         return self.pipeline_class == IMAGE_TO_VIDEO_PIPELINE
 
+    @property
+    def one_transformer(self) -> bool:
+        """Whether the teacher runs one transformer at every timestep (no expert switch)."""
+        return self.boundary_ratio is None
+
     def to_json(self) -> str:
         values = asdict(self)
+        # Written only when they say something: a text-to-video A14B run's file stays what it always
+        # was, and a file without them reads as WanPipeline of Wan2.2-T2V-A14B. The model is written
+        # where the stock pipeline does not name it: a TI2V-5B run (WanPipeline loads it in text
+        # mode, WanImageToVideoPipeline in image mode), not the A14B runs, whose files stay as they were.
         if self.pipeline_class == TEXT_TO_VIDEO_PIPELINE:
-            # Written only when it says something: a text-to-video run's file stays what it always
-            # was, and a file without it reads as WanPipeline.
             del values["pipeline_class"]
+        named = next((k for k in KINDS if k.name == self.teacher_kind), None)
+        if named is None or len(named.pipeline_classes) == 1:
+            del values["teacher_kind"]
         return json.dumps(values, indent=2, sort_keys=True) + "\n"
 
 
@@ -127,13 +147,29 @@ def loadable_teacher(source: str, resolved: str | Path) -> str:
     return str(Path(resolved).resolve())
 
 
-def settings_from_run(cfg: Any, info: Any, trained_steps: int, **method: Any) -> RunSettings:
+def pipeline_class_of(kind: TeacherKind, image: bool) -> str:
+    """The stock pipeline that samples a student of `kind` in the mode `image` says (the kind's own
+    for a one-mode kind)."""
+    if len(kind.pipeline_classes) > 1:
+        return IMAGE_TO_VIDEO_PIPELINE if image else TEXT_TO_VIDEO_PIPELINE
+    return kind.pipeline_class
+
+
+def settings_from_run(
+    cfg: Any, info: Any, trained_steps: int, image: bool | None = None, **method: Any
+) -> RunSettings:
     """The settings of a finished run (`cfg` a TrainConfig, `info` its TeacherInfo).
 
-    `method` overrides how the student samples (num_inference_steps, guidance_scale, scheduler,
-    scheduler_note, method); the default is the velocity student: the teacher's scheduler with
-    the run's --sample_steps at guidance 1.
+    `image` is the mode of a teacher with two (TI2V-5B); None: read from `cfg.data_path` as the
+    trainer reads it. `method` overrides how the student samples (num_inference_steps,
+    guidance_scale, scheduler, scheduler_note, method); the default is the velocity student: the
+    teacher's scheduler with the run's --sample_steps at guidance 1.
     """
+    from distill.sample.image_inputs import data_takes_images
+
+    kind = getattr(info, "kind", T2V_A14B)
+    if image is None:
+        image = data_takes_images(kind, getattr(cfg, "data_path", None))
     values: dict[str, Any] = {
         "teacher_path": loadable_teacher(cfg.teacher_path, info.path),
         "height": cfg.height,
@@ -143,15 +179,17 @@ def settings_from_run(cfg: Any, info: Any, trained_steps: int, **method: Any) ->
         "num_inference_steps": cfg.sample_steps,
         "base_model": teacher_hub_id(cfg.teacher_path, info.path),
         "teacher_guidance_scale": cfg.guidance_scale,
-        "teacher_guidance_scale_2": cfg.guidance_scale_2,
+        # One transformer has one guidance (run_checks refuses a --guidance_scale_2 for it).
+        "teacher_guidance_scale_2": cfg.guidance_scale_2 if kind.experts == 2 else None,
         "negative_prompt": cfg.negative_prompt,
         "flow_shift": cfg.flow_shift if cfg.flow_shift is not None else info.flow_shift,
         "boundary_ratio": info.boundary_ratio,
         "teacher_sample_steps": cfg.teacher_sample_steps,
         "sample_seed": cfg.sample_seed,
         "trained_steps": trained_steps,
-        # The teacher's kind (read from its files) decides the student's stock pipeline.
-        "pipeline_class": getattr(info, "kind", T2V_A14B).pipeline_class,
+        # The teacher's kind (read from its files) and the run's mode decide the stock pipeline.
+        "pipeline_class": pipeline_class_of(kind, image),
+        "teacher_kind": kind.name,
     }
     unknown = set(method) - {f.name for f in fields(RunSettings)}
     if unknown:
@@ -245,6 +283,9 @@ def fill_left_out_flags(args: Any, defaults: dict[str, Any], source: Path | None
         raise DistillError(
             "--teacher_path is required",
             "no run_settings.json in or beside the student names the teacher it was distilled from",
-            fixes=["pass --teacher_path models/Wan2.2-T2V-A14B-Diffusers (the teacher of the run)"],
+            fixes=[
+                "pass --teacher_path models/Wan2.2-T2V-A14B-Diffusers (or the I2V-A14B / TI2V-5B folder: "
+                "the teacher of the run)"
+            ],
             stage=Stage.ARGV,
         )

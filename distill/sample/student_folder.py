@@ -106,16 +106,16 @@ def load_lora_student(
     dtype: torch.dtype,
     adapters: LoraFolder | None = None,
 ) -> tuple[Any, Any, Any]:
-    """(student, teacher high, teacher low) for a LoRA run's folder: the teacher's experts loaded once,
+    """(student, teacher high, teacher low or None) for a LoRA run's folder: the teacher's experts loaded once,
     the folder's adapters on them; the teacher's views run them with the adapters off. `adapters`:
     the folder as `lora_student` checked it (checked here when not given)."""
     from distill.models.lora import STUDENT_ADAPTER, LoraExperts
-    from distill.models.teacher import load_expert
+    from distill.models.teacher import load_experts
 
     found = adapters or lora_for_teacher(folder, "--student", info)
     states = found.states()
-    high = load_expert(info, "transformer", dtype).to(device)
-    low = load_expert(info, "transformer_2", dtype).to(device)
+    # both experts, or the one transformer of TI2V-5B (low None)
+    high, low = (None if e is None else e.to(device) for e in load_experts(info, dtype))
     experts = LoraExperts(high, low, found.shape, None, seed=0)
     try:
         experts.load(STUDENT_ADAPTER, states)
@@ -218,6 +218,12 @@ def check_student_kind(config: dict[str, Any], info: TeacherInfo, folder: Path) 
         f"{folder / 'config.json'}: in_channels = {in_channels}, out_channels = {out_channels}: "
         f"{described(theirs)}\n"
         f"this teacher: {info.path}: {described(info.kind)}"
+        + (
+            f"\nlatent channels differ: the student predicts {out_channels}, this teacher's VAE makes "
+            f"{info.kind.out_channels} (no sampler can turn one into the other)"
+            if out_channels != info.kind.out_channels
+            else ""
+        )
         + (f"\ndistilled from: {recorded} (as {found[1]} records)" if found and recorded else ""),
         causes=[
             f"--teacher_path names another model than the {theirs.model} teacher the student was distilled from"

@@ -45,6 +45,10 @@ class ModelUse:
     lora_alpha: float = 0.0
     lora_targets: tuple[str, ...] = ()
     grads_held: bool = False  # gradients exist before the backward (accumulation): summed into
+    # A timestep per token (TI2V-5B's expand_timesteps): the model then holds a per-token time
+    # embedding and, in every block, a per-token float32 modulation (6 x width per token) where a
+    # per-sample timestep has one row; at 27,280 tokens x 3,072 that is 2 GB per block's forward.
+    token_timesteps: bool = False
 
     @staticmethod
     def of(config: dict[str, Any], **fields: Any) -> ModelUse:
@@ -180,9 +184,15 @@ def _inputs(model: torch.nn.Module, use: ModelUse) -> dict[str, torch.Tensor]:
     # The model's input: the noisy latents, and for image to video the condition channels after them.
     x = torch.randn(use.batch, int(config["in_channels"]), *use.latent_shape[1:])
     text = torch.randn(use.batch, use.text_len, text_dim)
+    if use.token_timesteps:  # float32, one per token, as conditioning.model_timestep builds them
+        patch = config["patch_size"]
+        frames, height, width = (n // p for n, p in zip(use.latent_shape[1:], patch))
+        timestep = torch.full((use.batch, frames * height * width), 500.0)
+    else:
+        timestep = torch.full((use.batch,), 500, dtype=torch.long)
     return {
         "hidden_states": x.to(dtype),
-        "timestep": torch.full((use.batch,), 500, dtype=torch.long),
+        "timestep": timestep,
         "encoder_hidden_states": text.to(dtype),
     }
 

@@ -106,14 +106,23 @@ class Forwards:
         return ", ".join(parts) if parts else "none"
 
 
-def high_noise_share(cfg: TrainConfig, shift: float, boundary_ratio: float) -> float:
+def high_noise_share(cfg: TrainConfig, shift: float, boundary_ratio: float | None) -> float:
     """The share of training timesteps (and dmd score timesteps) the high-noise expert owns: uniform
     numbers shifted like the teacher's sampler (flow_matching.sample_sigmas), t >= boundary."""
     if cfg.method == "dmd" and cfg.expert_phase != "both":
         return 1.0 if cfg.expert_phase == "high" else 0.0
+    if boundary_ratio is None:  # one transformer takes every timestep
+        return 1.0
     # sigma = shift u / (1 + (shift - 1) u) is monotonic: invert it at the boundary.
     at_boundary = boundary_ratio / (shift - (shift - 1.0) * boundary_ratio)
     return 1.0 - at_boundary
+
+
+def teacher_guided(cfg: TrainConfig, experts: int) -> bool:
+    """Whether any teacher forward runs the unconditional pass: either expert's guidance above 1; with
+    one transformer only --guidance_scale counts (GuidedTeacher never uses --guidance_scale_2 then)."""
+    scales = (cfg.guidance_scale, cfg.guidance_scale_2)[:experts]
+    return max(scales) > 1.0
 
 
 def teacher_passes(cfg: TrainConfig, high_share: float) -> float:
@@ -124,9 +133,10 @@ def teacher_passes(cfg: TrainConfig, high_share: float) -> float:
     return high_share * high + (1.0 - high_share) * low
 
 
-def rollout_depth(cfg: TrainConfig, boundary_ratio: float) -> float:
+def rollout_depth(cfg: TrainConfig, boundary_ratio: float | None) -> float:
     """dmd with simulate inputs: the mean of k, the step a rollout stops at (k forwards without
-    gradient), uniform over the student's steps its --expert_phase trains."""
+    gradient), uniform over the student's steps its --expert_phase trains (all of them with one
+    transformer: no boundary splits them)."""
     if cfg.dmd_inputs != "simulate":
         return 0.0
     from distill.models.few_step import few_step_scheduler, student_grid
@@ -135,7 +145,7 @@ def rollout_depth(cfg: TrainConfig, boundary_ratio: float) -> float:
     timesteps, _ = student_grid(
         few_step_scheduler(cfg.student_shift, cfg.student_shift_terminal), cfg.student_steps
     )
-    choices = phase_steps(timesteps, boundary_ratio, cfg.expert_phase)
+    choices = phase_steps(timesteps, boundary_ratio, cfg.expert_phase)  # as the method draws them
     return sum(choices) / len(choices)
 
 
@@ -188,7 +198,7 @@ class RunCost:
     forward_flops: dict[str, float]  # one forward of one sample, per model
     step_flops: dict[str, float]  # one forward + backward (+ recompute) of one sample, per trained model
     cache_forwards: int  # teacher forwards before step 1 (batch 1 each)
-    cache_split: tuple[int, int]  # of which the high- and the low-noise expert
+    cache_split: tuple[int, int]  # of which the high- and the low-noise expert (one transformer: all high)
     per_sample: dict[str, Forwards]  # per update
     updates: dict[str, int]
     samples_per_update: int  # global samples of one update (batch x accumulation x world)
@@ -198,6 +208,7 @@ class RunCost:
     world_size: int
     beat_free_seconds: float
     beat_free_what: str
+    experts: int = 2  # the teacher's transformers: 1 for TI2V-5B
 
     @property
     def total_flops(self) -> float:
@@ -209,9 +220,12 @@ class RunCost:
 
 
 def _teacher_steps_split(info: TeacherInfo, steps: int) -> tuple[int, int]:
-    """(high, low) of the teacher sampler's `steps` timesteps, split at the boundary as WanPipeline does."""
+    """(high, low) of the teacher sampler's `steps` timesteps, split at the boundary as WanPipeline does
+    (one transformer: (steps, 0), it runs them all)."""
     from distill.models.flow_matching import high_noise_mask
 
+    if info.boundary_ratio is None:
+        return steps, 0
     scheduler_file = info.path / "scheduler" / "scheduler_config.json"
     if scheduler_file.is_file():
         from distill.models.pipelines import load_scheduler
@@ -243,13 +257,15 @@ def run_cost(
     text = cfg.max_sequence_length
     expert = info.expert_config
     mfu = cfg.mfu
+    # TI2V-5B: every model (teacher, student, critic) is given a timestep per token.
+    per_token = info.kind.per_token_timesteps
 
     def trained_flops(config: dict[str, Any], rank: int) -> Any:
         if cfg.student_lora_rank and rank:
-            return model_flops(expert, shape, text, "lora", rank, cfg.lora_targets)
-        return model_flops(config, shape, text, "all")
+            return model_flops(expert, shape, text, "lora", rank, cfg.lora_targets, per_token)
+        return model_flops(config, shape, text, "all", token_timesteps=per_token)
 
-    models = {"teacher": model_flops(expert, shape, text)}
+    models = {"teacher": model_flops(expert, shape, text, token_timesteps=per_token)}
     if cfg.student_lora_rank:
         models["student"] = trained_flops(expert, cfg.student_lora_rank)
         if critic_config is not None:
@@ -287,7 +303,8 @@ def run_cost(
     monitor = _monitor_flops(cfg, counts, world_size, steps, forward)
     flops = {"cache": cache, "training": training, "samples and evaluations": monitor}
 
-    seconds, what = longest_beat_free_seconds(cfg, forward, step, placement, teacher_bytes)
+    experts = info.kind.experts
+    seconds, what = longest_beat_free_seconds(cfg, forward, step, placement, teacher_bytes, experts)
     return RunCost(
         forward_flops=forward,
         step_flops=step,
@@ -305,6 +322,7 @@ def run_cost(
         world_size=world_size,
         beat_free_seconds=seconds,
         beat_free_what=what,
+        experts=experts,
     )
 
 
@@ -314,16 +332,18 @@ def longest_beat_free_seconds(
     step: dict[str, float],
     placement: str = "gpu",
     teacher_bytes: float = 0.0,
+    experts: int = 2,
 ) -> tuple[float, str]:
     """The longest stretch of a training step without a watchdog beat, in seconds at --mfu, and what
     it is. The watchdog beats at least once per model forward and per backward, so the longest stretch
     is one teacher forward at its largest batch (guidance doubles it; streamed from host RAM on the
     cpu placement, one expert's weights cross once more) or one forward + backward of a trained model
     (the student's batch doubled by the dmd regression term). `forward` and `step` are FLOPs per
-    sample (RunCost.forward_flops, RunCost.step_flops); `teacher_bytes` both experts' weights."""
+    sample (RunCost.forward_flops, RunCost.step_flops); `teacher_bytes` the weights of all `experts`
+    transformers (a forward streams one of them)."""
     throughput = H100_BF16_FLOPS * cfg.mfu
-    guided = 2 if max(cfg.guidance_scale, cfg.guidance_scale_2) > 1.0 else 1
-    streamed = teacher_bytes / 2 / HOST_TO_DEVICE_BYTES_PER_S if placement == "cpu" else 0.0
+    guided = 2 if teacher_guided(cfg, experts) else 1
+    streamed = teacher_bytes / experts / HOST_TO_DEVICE_BYTES_PER_S if placement == "cpu" else 0.0
     stretches = {"one teacher forward": cfg.batch_size * guided * forward["teacher"] / throughput + streamed}
     regression = 2 if cfg.method == "dmd" and cfg.regression_weight > 0 else 1
     for name, flops in step.items():
@@ -379,8 +399,13 @@ def cost_lines(cost: RunCost, cfg: TrainConfig, counts: RunCounts) -> list[str]:
         "matrix products from the models' configs):",
         "  one forward of one sample: "
         + ", ".join(f"{name} {flops_text(flops)}" for name, flops in cost.forward_flops.items()),
-        f"  before step 1: {cost.cache_forwards} teacher forwards (high {cost.cache_split[0]}, low "
-        f"{cost.cache_split[1]}) for {counts.cached_prompts} prompt(s) x {cfg.teacher_sample_steps} steps"
+        f"  before step 1: {cost.cache_forwards} teacher forwards ("
+        + (
+            f"high {cost.cache_split[0]}, low {cost.cache_split[1]}"
+            if cost.experts == 2
+            else "all on the one transformer"
+        )
+        + f") for {counts.cached_prompts} prompt(s) x {cfg.teacher_sample_steps} steps"
         + (" x 2 (guidance)" if cfg.guidance_scale > 1.0 else "")
         + f": {hours_text(cost.gpu_hours('cache'))} GPU-hours",
     ]

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distill.models.conditioning import condition_channels
-from distill.models.lora import EXPERTS, AdapterModel
+from distill.models.lora import AdapterModel
 from distill.models.lora_files import merged_state, write_lora_folder, write_merged_experts
 from distill.models.original.export import export_original
 from distill.models.student import export_student, unwrap_model
@@ -22,7 +21,7 @@ from distill.ops import distributed as dist_utils
 from distill.ops.errors import DistillError
 from distill.ops.files import export_failed
 from distill.sample.model_card import document_export
-from distill.sample.run_settings import settings_from_run
+from distill.sample.run_settings import RunSettings, settings_from_run
 from distill.train import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -134,9 +133,9 @@ def export_run(loop: TrainingLoop) -> tuple[Path | None, Path | None]:
                 loop.ema.restore(params)
         # How the student samples: the method says (dmd: its K steps and scheduler, guidance 1).
         settings = settings_from_run(
-            loop.cfg, loop.distiller.info, loop.step, **loop.method.sampling_settings()
+            loop.cfg, loop.distiller.info, loop.step, image_mode(loop), **loop.method.sampling_settings()
         )
-        pipeline_dir = write_pipeline(loop, ema_dir or student_dir, settings.scheduler)
+        pipeline_dir = write_pipeline(loop, ema_dir or student_dir, settings)
         document_export(loop.output_dir, settings, student_dir, ema_dir, pipeline_dir)
     dist_utils.barrier()
     return student_dir, ema_dir
@@ -153,10 +152,14 @@ def export_lora(loop: TrainingLoop, student: AdapterModel) -> tuple[Path | None,
         export_merged(loop, student)
     if loop.ctx.is_main:
         settings = settings_from_run(
-            loop.cfg, loop.distiller.info, loop.step, **loop.method.sampling_settings()
+            loop.cfg, loop.distiller.info, loop.step, image_mode(loop), **loop.method.sampling_settings()
         )
         document_export(loop.output_dir, settings, lora_dir, ema_dir, student_kind="lora")
-        logger.info("LoRA adapters for both experts in %s (diffusers and comfyui/ key formats)", lora_dir)
+        logger.info(
+            "LoRA adapters for %s in %s (diffusers and comfyui/ key formats)",
+            "the one transformer" if settings.one_transformer else "both experts",
+            lora_dir,
+        )
         if settings.takes_image and "merged" in loop.cfg.export_formats.split(","):
             merged_pipeline(loop, settings.pipeline_class, settings.scheduler)
     dist_utils.barrier()
@@ -164,13 +167,14 @@ def export_lora(loop: TrainingLoop, student: AdapterModel) -> tuple[Path | None,
 
 
 def write_adapters(loop: TrainingLoop, student: AdapterModel) -> tuple[Path, Path | None]:
-    """lora/ and, with EMA, lora_ema/ (rank 0)."""
+    """lora/ and, with EMA, lora_ema/ (rank 0): a file per expert the student has (both A14B
+    experts, or the one transformer of TI2V-5B)."""
     scheduler = loop.method.export_scheduler()
     shape = loop.distiller.lora.shapes[student.adapter]
 
     def write(folder: Path) -> Path:
         with exporting(folder, loop):
-            states = {which: student.state(which) for which in EXPERTS}
+            states = {which: student.state(which) for which in student.experts}
             out = write_lora_folder(states, shape, folder, kind=loop.distiller.info.kind)
             if scheduler is not None:
                 scheduler.save_pretrained(out)
@@ -196,7 +200,7 @@ def export_merged(loop: TrainingLoop, student: AdapterModel) -> None:
         loop.ema.store(params)
         loop.ema.copy_to(params)
     try:
-        experts = {which: student.expert(which) for which in EXPERTS}
+        experts = {which: student.expert(which) for which in student.experts}
         states = {
             which: merged_state(expert, student.adapter, keep=loop.ctx.is_main)
             for which, expert in experts.items()
@@ -218,7 +222,7 @@ def merged_pipeline(loop: TrainingLoop, pipeline_class: str, scheduler: dict[str
 
     folder = loop.output_dir / "merged"
     try:
-        make_pipeline_of_experts(folder, loop.distiller.info.path, scheduler)
+        make_pipeline_of_experts(folder, loop.distiller.info.path, scheduler, pipeline_class)
     except DistillError as exc:  # e.g. no symlinks on this file system: the experts themselves are fine
         logger.warning("merged/ holds the experts only: %s", exc.title)
         return
@@ -230,20 +234,39 @@ def merged_pipeline(loop: TrainingLoop, pipeline_class: str, scheduler: dict[str
     )
 
 
-def write_pipeline(loop: TrainingLoop, student_dir: Path, scheduler: dict[str, Any] | None) -> Path | None:
-    """<output_dir>/pipeline/: ready for the teacher's pipeline class (WanPipeline, or
+def image_mode(loop: TrainingLoop) -> bool:
+    """Whether the run distilled image to video: its samples carry images (always for I2V-A14B; for
+    TI2V-5B when the data paired them: the trainer's own reading of --data_path)."""
+    return any(sample.image is not None for sample in loop.distiller.samples)
+
+
+def write_pipeline(loop: TrainingLoop, student_dir: Path, settings: RunSettings) -> Path | None:
+    """<output_dir>/pipeline/: ready for the run's stock pipeline class (WanPipeline, or
     WanImageToVideoPipeline) from_pretrained, linking the teacher's parts (no copies)."""
     from distill.sample.pipeline_folder import write_pipeline_folder
 
     kind = loop.distiller.info.kind
     try:
-        path = write_pipeline_folder(loop.output_dir, loop.distiller.info.path, student_dir, scheduler)
+        path = write_pipeline_folder(
+            loop.output_dir,
+            loop.distiller.info.path,
+            student_dir,
+            settings.scheduler,
+            settings.pipeline_class,
+        )
+        # A two-mode teacher's run says its mode: the other pipeline class would load the folder too.
+        mode = (
+            f" ({kind.model} in {'image' if settings.takes_image else 'text'} mode)"
+            if len(kind.pipeline_classes) > 1
+            else ""
+        )
         logger.info(
-            "%s.from_pretrained(%r) loads the student with the teacher's text encoder and VAE "
+            "%s.from_pretrained(%r) loads the student%s with the teacher's text encoder and VAE "
             "(sample it as its README.md shows%s)",
-            kind.pipeline_class,
+            settings.pipeline_class,
             str(path),
-            "; pass image=, the first frame" if condition_channels(kind) else "",
+            mode,
+            "; pass image=, the first frame" if settings.takes_image else "",
         )
         return path
     except DistillError as exc:  # e.g. no symlinks on this file system: the student itself is fine

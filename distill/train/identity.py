@@ -24,7 +24,7 @@ def run_identity(
     """This run's identity, as it reads back from meta.json."""
     identity = {
         "student_config": student_config,
-        "teacher": info.fingerprint("transformer", "transformer_2"),
+        "teacher": info.fingerprint(*info.expert_folders),
         "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:16],
         # What the student regresses onto: another value is another objective (as resolved,
         # so --flow_shift 3.0 equals a teacher default of 3.0). Keys are the option names.

@@ -173,7 +173,8 @@ class TrainingLoop:
         self.faults = FaultInjector(rank=self.ctx.rank)
         # Progress inside a step: each forward of these models and of their blocks (and each backward
         # through a block) tells the stall watchdog, so a slow step that computes is not a hang.
-        watched = (teacher.high, teacher.low, *self.models.values())
+        experts = (teacher.high, teacher.low) if teacher.low is not None else (teacher.high,)
+        watched = (*experts, *self.models.values())
         watchdog.watch_forwards(*watched)
         self.faults.attach(*watched)  # DISTILL_INJECT_FAULT=slow / hang_forward act in those forwards
 
@@ -658,7 +659,8 @@ class TrainingLoop:
             metrics[f"{prefix}loss"] = total / count if count else None
             metrics[f"{prefix}lr"] = self.lr_schedules[name].get_last_lr()[0]
             metrics[f"{prefix}grad_norm"] = norms[index] if math.isfinite(norms[index]) else None
-            if high_n:
+            # The split by expert range; a teacher with one transformer has none (all of it is "high").
+            if high_n and self.teacher.low is not None:
                 metrics[f"{prefix}loss_high_noise"] = high_loss / high_n
             if low_n:
                 metrics[f"{prefix}loss_low_noise"] = low_loss / low_n

@@ -26,7 +26,7 @@ from distill.models.teacher import TeacherInfo, resolve_dtype
 from distill.ops.distributed import DistContext
 from distill.ops.mesh import shard_group_size
 from distill.train.activations import ModelUse, no_grad_peak, parameter_count, stored_bytes, trained
-from distill.train.cost import RunCounts, cost_lines, run_cost
+from distill.train.cost import RunCounts, cost_lines, run_cost, teacher_guided
 
 GIB = 1024**3
 PLACEMENTS = ("gpu", "cpu", "shard")
@@ -68,17 +68,24 @@ class StepPeak:
     phase: str
 
 
+def trained_experts(cfg: TrainConfig, info: TeacherInfo) -> int:
+    """The teacher's transformers whose adapters a LoRA run trains: both experts, or the one
+    --expert_phase names; the one transformer of a teacher without a boundary (TI2V-5B)."""
+    return min(len(cfg.phase_experts), info.kind.experts)
+
+
 def trained_parameters(
     cfg: TrainConfig, info: TeacherInfo, student_config: dict[str, Any], critic_config: dict[str, Any] | None
 ) -> tuple[int, int | None]:
     """Trained parameters of the student and of the dmd critic (None without one). With
-    --student_lora_rank these are the adapters on both experts (a full critic: both experts whole)."""
+    --student_lora_rank these are the adapters on the trained experts (a full critic: every expert
+    of the teacher whole)."""
     if not cfg.student_lora_rank:
         return parameter_count(student_config), (
             parameter_count(critic_config) if critic_config is not None else None
         )
     expert = info.expert_config
-    trained = len(cfg.phase_experts)  # --expert_phase high|low trains one expert's adapters
+    trained = trained_experts(cfg, info)
     student = trained * count_adapter_parameters(
         expert, LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets)
     )
@@ -88,7 +95,7 @@ def trained_parameters(
     critic = (
         trained * count_adapter_parameters(expert, LoraShape(rank, float(rank), cfg.lora_targets))
         if rank
-        else 2 * parameter_count(expert)
+        else info.kind.experts * parameter_count(expert)
     )
     return student, critic
 
@@ -116,9 +123,12 @@ def _uses(
     when an expert's guidance runs the unconditional pass), and the trained models' forwards without
     gradient and with it (the student's batch doubled by the dmd regression term)."""
     shape = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
-    common = dict(latent_shape=shape, text_len=cfg.max_sequence_length)
+    # TI2V-5B gives every model (teacher, student, critic) a timestep per token.
+    common = dict(
+        latent_shape=shape, text_len=cfg.max_sequence_length, token_timesteps=info.kind.per_token_timesteps
+    )
     weights = str(teacher_dtype).removeprefix("torch.")  # the experts' dtype, as the teacher loads them
-    guided = max(cfg.guidance_scale, cfg.guidance_scale_2) > 1.0
+    guided = teacher_guided(cfg, info.kind.experts)
     batch = cfg.batch_size
     trained = dict(
         autocast=AUTOCAST[cfg.mixed_precision],
@@ -212,13 +222,14 @@ def step_activations(
 
 
 def teacher_bytes(info: TeacherInfo, dtype: torch.dtype) -> tuple[float, float, float]:
-    """(both experts, one block of an expert, one expert's parts outside its blocks) in bytes, as
-    diffusers loads them in `dtype` (its float32 modules stay float32)."""
+    """(all the teacher's transformers: both experts or the one of TI2V-5B, one block of one, one's
+    parts outside its blocks) in bytes, as diffusers loads them in `dtype` (its float32 modules stay
+    float32)."""
     expert = info.expert_config
     layers = int(expert["num_layers"])
     one, two = (stored_bytes({**expert, "num_layers": n}, dtype) for n in (1, 2))
     block = two - one
-    return 2.0 * (one + (layers - 1) * block), float(block), float(one - block)
+    return float(info.kind.experts * (one + (layers - 1) * block)), float(block), float(one - block)
 
 
 def estimate(
@@ -325,15 +336,26 @@ def memory_plan(
     student_params, critic_params = trained_parameters(cfg, info, student_config, critic_config)
     teacher_dtype = resolve_dtype(cfg.teacher_dtype, device)
     tokens = tokens_of(cfg, info)
+    two = info.kind.experts == 2  # the A14B models; TI2V-5B has one transformer and no boundary
+    experts, weights = (
+        ("both experts", "experts' weights are")
+        if two
+        else ("the one transformer", "transformer's weights are")
+    )
     lines = [
         # The model the files say it is (an image-to-video run needs images in its data).
         f"teacher   : {info.path} ({info.kind.model}, {info.kind.task})",
         *weights_line(info),
-        f"  experts : 2 x {human_count(teacher_params)} parameters as {teacher_dtype}, "
-        f"t >= {info.boundary_ratio * 1000:.0f} -> high-noise expert (transformer)",
         (
-            f"student   : LoRA rank {cfg.student_lora_rank} (alpha {cfg.lora_alpha:g}) on both experts, "
-            f"{human_count(student_params)} trained parameters; the experts' weights are the teacher's, held once"
+            f"  experts : 2 x {human_count(teacher_params)} parameters as {teacher_dtype}, "
+            f"t >= {info.boundary_ratio * 1000:.0f} -> high-noise expert (transformer)"
+            if info.boundary_ratio is not None
+            else f"  model   : one transformer, {human_count(teacher_params)} parameters as {teacher_dtype}, "
+            "at every timestep (no expert boundary)"
+        ),
+        (
+            f"student   : LoRA rank {cfg.student_lora_rank} (alpha {cfg.lora_alpha:g}) on {experts}, "
+            f"{human_count(student_params)} trained parameters; the {weights} the teacher's, held once"
             if cfg.student_lora_rank
             else f"student   : {human_count(student_params)} parameters, {student_config['num_layers']} layers, "
             f"width {student_config['num_attention_heads'] * student_config['attention_head_dim']}"
@@ -343,9 +365,9 @@ def memory_plan(
                 f"critic    : {human_count(critic_params or 0)} trained parameters, "
                 + (
                     (
-                        f"LoRA rank {cfg.critic_adapter_rank} on the same experts"
+                        f"LoRA rank {cfg.critic_adapter_rank} on the same {'experts' if two else 'transformer'}"
                         if cfg.critic_adapter_rank
-                        else "a full copy of both experts"
+                        else f"a full copy of {experts}"
                     )
                     if cfg.student_lora_rank
                     else f"{critic_config['num_layers']} layers"

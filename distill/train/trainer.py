@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import logging
 import math
@@ -33,7 +34,8 @@ from distill.data.prepare import (
     open_condition_cache,
 )
 from distill.data.prompts import reference_prompts
-from distill.data.samples import read_training_samples, takes_images
+from distill.data.samples import read_training_samples
+from distill.models.conditioning import condition_entries
 from distill.models.guided_teacher import GuidedTeacher
 from distill.models.layout import require_weights
 from distill.models.lora import CRITIC_ADAPTER, STUDENT_ADAPTER, ExpertCopies, LoraExperts, LoraShape
@@ -43,7 +45,7 @@ from distill.models.student import build_student, init_student_from_teacher, loa
 from distill.models.student_config import load_student_config
 from distill.models.teacher import (
     inspect_teacher,
-    load_expert,
+    load_experts,
     place_expert,
     resolve_dtype,
 )
@@ -61,9 +63,10 @@ from distill.train.loop import RunResult, TrainingLoop
 from distill.train.methods import method_class
 from distill.train.plan import choose_placement, run_plan
 from distill.train.run_checks import (
-    available_host_memory,
     check_lora_ranks,
+    check_one_transformer_settings,
     check_resolution,
+    teacher_load_waves,
 )
 
 logger = logging.getLogger(__name__)
@@ -118,6 +121,7 @@ class Distiller:
                 Stage.CONFIG,
             )
         check_resolution(cfg, self.info, self.student_config)
+        check_one_transformer_settings(cfg, self.info)
         # A prompt per sample, with its image for an image-to-video teacher (read as its kind needs).
         self.samples = read_training_samples(cfg.data_path, self.info.kind, cfg.max_prompts)
         self.prompts = [sample.prompt for sample in self.samples]
@@ -252,68 +256,56 @@ class Distiller:
         """An image-to-video run: every sample's image encoded once into the image-latent cache (each
         rank its share); returns the cache and the VAE and preprocessing that the teacher's sampling of
         the clean latents needs too. (None, None) for a text-to-video teacher."""
-        if not takes_images(self.info.kind):
+        if not any(sample.image is not None for sample in self.samples):  # text to video
             return None, None
         rank, world = self.ctx.rank, self.ctx.world_size
         conditions = self._open_shared(lambda: open_condition_cache(self.cfg, self.info))
         images = image_inputs(self.cfg, self.info, self.device)
         result.conditions_built = fill_condition_cache(
-            conditions, self.samples[rank::world], self.cfg, images, show_progress=self.is_main
+            conditions, self.samples[rank::world], self.cfg, images, self.is_main, self.info.kind
         )
         dist_utils.barrier()
         self._require_complete(conditions, sorted({s.image_key for s in self.samples if s.image_key}))
         return conditions, images
 
-    def teacher_load_waves(self) -> int:
-        """How many groups of this node's ranks load the experts one after the other.
-
-        Each rank reads an expert into host RAM before moving it to its GPU. Eight ranks doing that
-        at once with 28 GB experts is how nodes get SIGKILLed by the OOM killer without a word, so
-        ranks load in waves sized to the free host memory (--teacher_load_concurrency overrides).
-        """
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if self.cfg.teacher_load_concurrency:
-            per_wave = self.cfg.teacher_load_concurrency
-        else:
-            bytes_per_rank = self.info.expert_bytes(self.teacher_dtype)
-            per_wave = max(1, int(0.8 * available_host_memory() // max(bytes_per_rank, 1)))
-        return math.ceil(local_world / min(per_wave, local_world))
-
-    def load_teacher_experts(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+    def load_teacher_experts(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         cfg, device = self.cfg, self.device
-        local_rank, waves = self.ctx.local_rank, self.teacher_load_waves()
+        waves = teacher_load_waves(self.cfg, self.info, self.teacher_dtype)
+        local_rank = self.ctx.local_rank
         per_wave = math.ceil(int(os.environ.get("LOCAL_WORLD_SIZE", "1")) / waves)
-        experts: tuple[torch.nn.Module, torch.nn.Module] | None = None
+        experts: tuple[torch.nn.Module, torch.nn.Module | None] | None = None
         for wave in range(waves):  # every rank passes every barrier, loading in its own wave
             if local_rank // per_wave == wave:
                 if waves > 1:
                     logger.warning("loading the teacher experts (wave %d of %d)", wave + 1, waves)
-                high = load_expert(self.info, "transformer", self.teacher_dtype)
-                low = load_expert(self.info, "transformer_2", self.teacher_dtype)
+                high, low = load_experts(self.info, self.teacher_dtype)
                 if cfg.student_lora_rank:  # before placement: the adapters move with the experts
                     self.lora = self.add_lora(high, low)
                 for name, (config, init) in self.model_specs.items():
                     if init == "teacher":  # before placement: a sharded expert has no whole tensors
                         self.early_models[name] = self.init_from_teacher(
-                            config, high if cfg.student_init_expert == "high" else low, name
+                            config, high if cfg.student_init_expert == "high" or low is None else low, name
                         )
                 shard_over = self.ctx.world_size if self.placement == "shard" else 0
                 on_cpu = self.placement == "cpu"
                 experts = (
                     place_expert(high, device, on_cpu, shard_over),
-                    place_expert(low, device, on_cpu, shard_over),
+                    None if low is None else place_expert(low, device, on_cpu, shard_over),
                 )
             if waves > 1:
                 dist_utils.barrier()
         assert experts is not None
         return experts
 
-    def add_lora(self, high: torch.nn.Module, low: torch.nn.Module) -> LoraExperts:
-        """The adapters of a LoRA run on the loaded experts (a full dmd critic: copies made first)."""
+    def add_lora(self, high: torch.nn.Module, low: torch.nn.Module | None) -> LoraExperts:
+        """The adapters of a LoRA run on the loaded experts, both or the one transformer of a teacher
+        without a boundary (`low` None); a full dmd critic: copies made first."""
         cfg = self.cfg
         if "critic" in self.model_specs and self.model_specs["critic"][1] == "copy":
             self.early_models["critic"] = ExpertCopies(
-                copy.deepcopy(high).float(), copy.deepcopy(low).float(), self.info.boundary_ratio
+                copy.deepcopy(high).float(),
+                None if low is None else copy.deepcopy(low).float(),
+                self.info.boundary_ratio,
             )
         critic = cfg.critic_adapter_rank if "critic" in self.model_specs else 0
         shape = LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets)
@@ -384,6 +376,10 @@ class Distiller:
 
     def make_student(self) -> torch.nn.Module:
         return self.make_model("student")
+
+    @property
+    def latent_frames(self) -> int:
+        return self.info.latent_shape(self.cfg.height, self.cfg.width, self.cfg.num_frames)[1]
 
     def teacher_noise_for_regression(self) -> Any:
         """prompt -> the initial noise the teacher sampled its cached clean latent from (dmd regression)."""
@@ -457,6 +453,9 @@ class Distiller:
             clean_latents=self.clean_latents,
             reference=self.latent_samples,
             conditions=conditions,
+            condition_entries=functools.partial(
+                condition_entries, self.info.kind, latent_frames=self.latent_frames
+            ),
         )
         student = self.make_student()
         extra = {name: self.make_model(name) for name in self.model_specs if name != "student"}

@@ -16,13 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distill.models.layout import (
+    diffusers_components,
     missing_components,
     present_entries,
 )
 from distill.models.original.configs import (
-    CONVERTIBLE_KINDS,
+    convertible_kind,
     expert_config_from_original,
     umt5_config_from_original,
+    vae22_config_from_original,
     vae_config_from_original,
 )
 from distill.models.original.detect import (
@@ -30,20 +32,24 @@ from distill.models.original.detect import (
     CONFIGURATION_FILE,
     CONVERT_DIR_ENV,
     CONVERTER_VERSION,
-    EXPERT_DIRS,
     FLOW_SHIFT,
+    FLOW_SHIFTS,
     MARKER,
+    MODEL_CONFIG,
+    ONE_MODEL,
     T5_FILE,
     TOKENIZER_DIR,
-    VAE_FILE,
     WEIGHTS_NAME,
     expert_shards,
     incomplete_error,
+    model_folder,
+    model_shards,
+    original_layout,
     original_problems,
     source_fingerprint,
 )
-from distill.models.original.keymaps import renamed_keys, t5_to_transformers
-from distill.models.teacher_kind import T2V_A14B, TeacherKind, read_teacher_kind
+from distill.models.original.keymaps import renamed_keys, t5_to_transformers, vae22_to_diffusers
+from distill.models.teacher_kind import T2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
 
 if TYPE_CHECKING:  # torch and diffusers cost seconds to import; checks on folders need neither
@@ -181,73 +187,71 @@ def _write_marker(folder: Path, src: Path, fingerprint: str, seconds: float) -> 
     (folder / MARKER).write_text(json.dumps({**record, "seconds": round(seconds, 1)}, indent=2) + "\n")
 
 
-def convertible_kind(src: Path) -> TeacherKind:
-    """The model of the original folder `src` (T2V-A14B where its config.json does not say: an
-    unknown model type is named by the expert's conversion), refusing one the conversion cannot take."""
-    reading = read_teacher_kind(src)
-    if reading is None or reading.kind in CONVERTIBLE_KINDS:
-        return reading.kind if reading else T2V_A14B
-    kind = reading.kind
-    raise DistillError(
-        f"{src} holds the {kind.model} teacher in the original layout, which this converter does not take",
-        "Read from its files:\n"
-        + "\n".join(f"- {line}" for line in reading.evidence)
-        + "\nThe conversion takes "
-        + " and ".join(k.model for k in CONVERTIBLE_KINDS)
-        + f" (two experts, the Wan2.1 VAE); {kind.model} has "
-        + ("two experts" if kind.experts == 2 else "one transformer")
-        + f" and {kind.in_channels} latent channels.",
-        fixes=[f"download its diffusers layout instead: {kind.repo_id}"],
-        stage=Stage.TEACHER_LOAD,
-    )
-
-
 def _convert_into(src: Path, out: Path, kind: TeacherKind = T2V_A14B) -> None:
-    """Every component, the lightest first, so a problem shows before the experts (tens of GB) are read."""
+    """Every component, the lightest first, so a problem shows before the transformers (tens of GB)
+    are read."""
+    layout = original_layout(src)
+    config = _configuration(src)
     shutil.copytree(src / TOKENIZER_DIR, out / "tokenizer")
-    _write_scheduler(out / "scheduler")
-    convert_vae(src / VAE_FILE, out / "vae")
+    # The release leaves its sampler's shift to Wan's Python config; a configuration.json may name
+    # it (the tiny teachers do, to equal their diffusers twins).
+    flow_shift = float(config.get("flow_shift", FLOW_SHIFTS.get(kind.original_model_type, FLOW_SHIFT)))
+    _write_scheduler(out / "scheduler", flow_shift)
+    if layout is ONE_MODEL:
+        statistics = {k: config[f"vae_{k}"] for k in ("latents_mean", "latents_std") if f"vae_{k}" in config}
+        convert_vae22(src / layout.vae_file, out / "vae", statistics)
+    else:
+        convert_vae(src / layout.vae_file, out / "vae")
     convert_text_encoder(src / T5_FILE, out / "text_encoder")
-    for component, expert in EXPERT_DIRS.items():
-        convert_expert(src / expert, out / component)
-    _write_model_index(out, _boundary_ratio(src, kind), kind)
-    if missing_components(out):
-        raise DistillError(
-            "the conversion left out " + ", ".join(missing_components(out)), stage=Stage.INTERNAL
+    for component in layout.models:
+        convert_expert(
+            model_folder(src, layout, component), out / component, model_shards(src, layout, component)
         )
+    _write_model_index(out, _boundary_ratio(config, kind), kind)
+    missing = missing_components(out, diffusers_components(kind.experts))
+    if missing:
+        raise DistillError("the conversion left out " + ", ".join(missing), stage=Stage.INTERNAL)
 
 
-def _boundary_ratio(src: Path, kind: TeacherKind = T2V_A14B) -> float:
+def _configuration(src: Path) -> dict[str, Any]:
     path = src / CONFIGURATION_FILE
-    config = json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path) if path.is_file() else {}
+
+
+def _boundary_ratio(config: Mapping[str, Any], kind: TeacherKind = T2V_A14B) -> float | None:
+    if kind.experts == 1:
+        return None  # one transformer runs at every timestep
     # The release leaves the model's own switch to Wan's Python config (0.875 T2V, 0.9 I2V).
     return float(config.get("boundary_ratio", kind.boundary_ratio or A14B_BOUNDARY_RATIO))
 
 
-def _write_scheduler(folder: Path) -> None:
+def _write_scheduler(folder: Path, flow_shift: float = FLOW_SHIFT) -> None:
     from diffusers import UniPCMultistepScheduler
 
     UniPCMultistepScheduler(
         prediction_type="flow_prediction",
         use_flow_sigmas=True,
-        flow_shift=FLOW_SHIFT,
+        flow_shift=flow_shift,
         num_train_timesteps=1000,
     ).save_pretrained(folder)
 
 
-def _write_model_index(folder: Path, boundary_ratio: float, kind: TeacherKind = T2V_A14B) -> None:
+def _write_model_index(folder: Path, boundary_ratio: float | None, kind: TeacherKind = T2V_A14B) -> None:
     import diffusers
 
+    two = kind.experts == 2
     index: dict[str, Any] = {
         "_class_name": kind.pipeline_class,
         "_diffusers_version": diffusers.__version__,
         "boundary_ratio": boundary_ratio,
-        "expand_timesteps": False,
+        # TI2V-5B: a timestep per latent token, the first frame's at 0 in image mode.
+        "expand_timesteps": kind.per_token_timesteps,
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5Tokenizer"],
         "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": ["diffusers", "WanTransformer3DModel"],
+        # As WanPipeline.save_pretrained writes a pipeline without its second transformer.
+        "transformer_2": ["diffusers", "WanTransformer3DModel"] if two else [None, None],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
     # The pipeline's other optional components are left out, as its hub repository saves them
@@ -301,8 +305,23 @@ def convert_vae(pth: Path, out: Path) -> None:
     _save_model(model, out)
 
 
-def convert_expert(folder: Path, out: Path) -> None:
-    """An original expert folder -> a WanTransformer3DModel folder, one shard at a time.
+def convert_vae22(pth: Path, out: Path, statistics: Mapping[str, list[float]] | None = None) -> None:
+    """Wan2.2_VAE.pth -> an AutoencoderKLWan folder of the Wan2.2 VAE (our key map, checked strictly).
+    `statistics` (latents_mean / latents_std) replace Wan's published ones (a tiny random VAE's)."""
+    from diffusers import AutoencoderKLWan
+
+    original = _load_pth(pth)
+    state = vae22_to_diffusers(original)
+    config = {**vae22_config_from_original(original), **(statistics or {})}
+    model = _on_meta(lambda: AutoencoderKLWan(**config))
+    _check_keys(_shapes(model.state_dict()), _shapes(state), f"{pth.name} (Wan2.2 VAE)")
+    model.load_state_dict(state, strict=True, assign=True)
+    _save_model(model, out)
+
+
+def convert_expert(folder: Path, out: Path, shards: list[Path] | None = None) -> None:
+    """An original WanModel folder (an A14B expert, or the top of a TI2V-5B release, whose `shards`
+    the caller names) -> a WanTransformer3DModel folder, one shard at a time.
 
     diffusers' converter only renames keys, so each shard converts on its own and memory stays at
     one shard (a few GB for A14B) instead of the whole expert (tens of GB).
@@ -311,18 +330,18 @@ def convert_expert(folder: Path, out: Path) -> None:
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
     from safetensors.torch import load_file, save_file
 
-    shards = expert_shards(folder)
+    shards = shards if shards is not None else expert_shards(folder)
     header_shapes = _safetensors_shapes(shards)
     # ComfyUI repacks prefix every key with model.diffusion_model.; the converter strips it.
     plain_shapes = {k.removeprefix("model.diffusion_model."): v for k, v in header_shapes.items()}
-    config = expert_config_from_original(read_json(folder / "config.json"), plain_shapes)
+    config = expert_config_from_original(read_json(folder / MODEL_CONFIG), plain_shapes)
     model = _on_meta(lambda: WanTransformer3DModel(**config))
     renamed = renamed_keys(convert_wan_transformer_to_diffusers, header_shapes)
     # All names and shapes are checked from the headers before a single tensor is read.
     _check_keys(
         _shapes(model.state_dict()),
         {new: header_shapes[old] for new, old in renamed.items()},
-        f"{folder.name}/ (expert)",
+        f"{folder.name}/ (WanModel)",
     )
     out.mkdir(parents=True)
     names = shard_names(len(shards))
@@ -393,7 +412,7 @@ def _check_keys(expected: Mapping[str, tuple], got: Mapping[str, tuple], what: s
         "\n".join(lines),
         causes=[
             "a damaged or foreign checkpoint",
-            "a Wan variant this converter does not know (TI2V-5B, S2V, Animate)",
+            "a Wan variant this converter does not know (S2V, Animate)",
         ],
         fixes=["re-download the file", "or download the model's diffusers layout instead"],
         stage=Stage.TEACHER_LOAD,

@@ -9,18 +9,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distill.models.original.configs import original_expert_config
+from distill.models.original.configs import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, original_expert_config
 from distill.models.original.convert import read_json, shard_names, write_index
 from distill.models.original.detect import (
     A14B_BOUNDARY_RATIO,
     CONFIGURATION_FILE,
-    EXPERT_DIRS,
+    FLOW_SHIFT,
+    FLOW_SHIFTS,
+    MODEL_CONFIG,
+    ONE_MODEL,
     T5_FILE,
     TOKENIZER_DIR,
-    VAE_FILE,
+    TWO_EXPERTS,
     expert_shards,
 )
-from distill.models.original.keymaps import t5_to_original, transformer_to_original, vae_to_original
+from distill.models.original.keymaps import (
+    t5_to_original,
+    transformer_to_original,
+    vae22_to_original,
+    vae_to_original,
+)
 from distill.models.student_kind import config_kind
 from distill.models.teacher_kind import T2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
@@ -36,26 +44,38 @@ def save_original_layout(
     shards_per_expert: int = 2,
     kind: TeacherKind = T2V_A14B,
 ) -> None:
-    """Write an in-memory two-expert pipeline of `kind` (tokenizer, T5, VAE, two experts; WanPipeline
-    or WanImageToVideoPipeline without image encoder) in the original layout."""
+    """Write an in-memory pipeline of `kind` in its original release layout: tokenizer, T5, VAE and
+    two experts in their folders (WanPipeline or WanImageToVideoPipeline without image encoder), or
+    for TI2V-5B (WanPipeline with expand_timesteps) the Wan2.2 VAE and the one WanModel at the top."""
     import torch
 
+    layout = ONE_MODEL if kind.experts == 1 else TWO_EXPERTS
     config: dict[str, Any] = {"framework": "Pytorch", "task": kind.task.replace(" ", "-")}
-    if boundary_ratio != (kind.boundary_ratio or A14B_BOUNDARY_RATIO):
+    if kind.experts == 2 and boundary_ratio != (kind.boundary_ratio or A14B_BOUNDARY_RATIO):
         # the release relies on Wan's code for the model's own switch (0.875 T2V, 0.9 I2V)
         config["boundary_ratio"] = boundary_ratio
+    flow_shift = float(pipe.scheduler.config.flow_shift)
+    if flow_shift != FLOW_SHIFTS.get(kind.original_model_type, FLOW_SHIFT):
+        # and for its sampler's shift, which the conversion gives the diffusers scheduler
+        config["flow_shift"] = flow_shift
+    if layout is ONE_MODEL:
+        # and for the Wan2.2 VAE's latent statistics, which Wan's code hard-codes (a random VAE has its own)
+        for key, published in (("latents_mean", WAN22_LATENTS_MEAN), ("latents_std", WAN22_LATENTS_STD)):
+            if list(pipe.vae.config[key]) != list(published):
+                config[f"vae_{key}"] = list(pipe.vae.config[key])
     (folder / CONFIGURATION_FILE).write_text(json.dumps(config, indent=2) + "\n")
     pipe.tokenizer.save_pretrained(folder / TOKENIZER_DIR)
     torch.save(_plain(t5_to_original(pipe.text_encoder.state_dict())), folder / T5_FILE)
     vae_blocks = int(pipe.vae.config.num_res_blocks)
-    torch.save(_plain(vae_to_original(pipe.vae.state_dict(), vae_blocks)), folder / VAE_FILE)
-    for component, name in EXPERT_DIRS.items():
-        expert = getattr(pipe, component)
-        out = folder / name
-        out.mkdir()
-        expert_config = original_expert_config(expert.config, kind.original_model_type)
-        (out / "config.json").write_text(json.dumps(expert_config, indent=2) + "\n")
-        _save_sharded(transformer_to_original(expert.state_dict()), out, shards_per_expert)
+    to_original = vae22_to_original if layout is ONE_MODEL else vae_to_original
+    torch.save(_plain(to_original(pipe.vae.state_dict(), vae_blocks)), folder / layout.vae_file)
+    for component, sub in layout.models.items():
+        model = getattr(pipe, component)
+        out = folder / sub
+        out.mkdir(exist_ok=not sub)
+        model_config = original_expert_config(model.config, kind.original_model_type)
+        (out / MODEL_CONFIG).write_text(json.dumps(model_config, indent=2) + "\n")
+        _save_sharded(transformer_to_original(model.state_dict()), out, shards_per_expert)
 
 
 def _plain(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

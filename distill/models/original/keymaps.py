@@ -170,3 +170,103 @@ def _check_round_trip(names: Mapping[str, str], converter: Callable[[dict], dict
             causes=["a block structure the original format (and diffusers' converter) does not have"],
             stage=Stage.CHECKPOINT,
         )
+
+
+# The Wan2.2 VAE (TI2V-5B's Wan2.2_VAE.pth, wan/modules/vae2_2.py). diffusers' library has no
+# converter for it (only a hub script), so both directions are ours, checked against each other.
+# In Wan's code each encoder stage `downsamples.{i}` holds its own `downsamples` list: num_res_blocks
+# residual blocks, then the resample (every stage but the last); each decoder stage
+# `upsamples.{i}.upsamples` holds num_res_blocks + 1 residual blocks, then the resample. Their
+# shortcuts (AvgDown3D, DupUp3D) have no weights. diffusers calls the blocks resnets.{j} and the
+# resample downsampler / upsampler, without an index.
+_VAE22_PREFIXES = (
+    ("conv1.", "quant_conv."),
+    ("conv2.", "post_quant_conv."),
+    *(
+        (f"{side}.{original}", f"{side}.{diffusers}")
+        for side in ("encoder", "decoder")
+        for original, diffusers in (
+            ("conv1.", "conv_in."),
+            ("head.0.", "norm_out."),
+            ("head.2.", "conv_out."),
+            ("middle.0.", "mid_block.resnets.0."),
+            ("middle.1.", "mid_block.attentions.0."),
+            ("middle.2.", "mid_block.resnets.1."),
+        )
+    ),
+)
+_VAE22_STAGE = re.compile(
+    r"(encoder\.downsamples|decoder\.upsamples)\.(\d+)\.(?:downsamples|upsamples)\.(\d+)\.(.*)"
+)
+_VAE22_BLOCK = re.compile(
+    r"(encoder\.down_blocks|decoder\.up_blocks)\.(\d+)\.(?:resnets\.(\d+)|(downsampler|upsampler))\.(.*)"
+)
+_VAE22_SIDES = {"encoder.downsamples": "encoder.down_blocks", "decoder.upsamples": "decoder.up_blocks"}
+
+
+def _residual_to_diffusers(rest: str) -> str:
+    for new, old in _VAE_RESIDUAL.items():
+        if rest.startswith(old):
+            return new + rest[len(old) :]
+    return rest
+
+
+def _vae22_key_to_diffusers(key: str) -> str | None:
+    if match := _VAE22_STAGE.fullmatch(key):
+        side, stage, index, rest = match.groups()
+        if rest.startswith(("resample.", "time_conv.")):
+            sampler = "downsampler" if side.startswith("encoder") else "upsampler"
+            return f"{_VAE22_SIDES[side]}.{stage}.{sampler}.{rest}"
+        return f"{_VAE22_SIDES[side]}.{stage}.resnets.{index}.{_residual_to_diffusers(rest)}"
+    for original, diffusers in _VAE22_PREFIXES:
+        if key.startswith(original):
+            rest = key[len(original) :]
+            return diffusers + (_residual_to_diffusers(rest) if "resnets" in diffusers else rest)
+    return None
+
+
+def _vae22_key_to_original(key: str, num_res_blocks: int) -> str | None:
+    if match := _VAE22_BLOCK.fullmatch(key):
+        side, stage, index, sampler, rest = match.groups()
+        original = next(o for o, d in _VAE22_SIDES.items() if d == side)
+        inner = original.split(".")[1]
+        if sampler is None:
+            return f"{original}.{stage}.{inner}.{index}.{_vae_residual(rest)}"
+        # The resample follows the stage's residual blocks: num_res_blocks of them in an encoder
+        # stage, one more in a decoder stage.
+        position = num_res_blocks + (sampler == "upsampler")
+        return f"{original}.{stage}.{inner}.{position}.{rest}"
+    for original, diffusers in _VAE22_PREFIXES:
+        if key.startswith(diffusers):
+            rest = key[len(diffusers) :]
+            return original + (_vae_residual(rest) if "resnets" in diffusers else rest)
+    return None
+
+
+def vae22_to_diffusers(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Wan2.2_VAE.pth keys -> AutoencoderKLWan keys (the Wan2.2 VAE: is_residual, 48 channels)."""
+    names = {key: _vae22_key_to_diffusers(key) for key in state}
+    unknown = [k for k, new in names.items() if new is None]
+    if unknown:
+        raise DistillError(
+            "the Wan2.2 VAE checkpoint has keys no rule maps",
+            ", ".join(unknown[:8]),
+            causes=["a Wan2.1 VAE (Wan2.1_VAE.pth) or another model's VAE under this name"],
+            stage=Stage.TEACHER_LOAD,
+        )
+    return {names[k]: v for k, v in state.items()}
+
+
+def vae22_to_original(state: Mapping[str, Any], num_res_blocks: int = 2) -> dict[str, Any]:
+    """AutoencoderKLWan keys of a Wan2.2 VAE -> Wan2.2_VAE.pth keys, checked by mapping them back."""
+    names = {key: _vae22_key_to_original(key, num_res_blocks) for key in state}
+    back = {k: _vae22_key_to_diffusers(new) if new is not None else None for k, new in names.items()}
+    wrong = [k for k, new in back.items() if new != k]
+    if wrong:
+        raise DistillError(
+            "the VAE cannot be written in the original Wan2.2 format",
+            "no key of Wan2.2_VAE.pth maps back to: " + ", ".join(wrong[:8]),
+            causes=["not a Wan2.2 VAE (AutoencoderKLWan with is_residual true)"],
+            stage=Stage.CHECKPOINT,
+        )
+    return {names[k]: v for k, v in state.items()}

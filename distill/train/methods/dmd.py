@@ -15,6 +15,12 @@ estimates of the same noised sample:
 The critic updates `--critic_updates` times per generator update, on detached student samples.
 Neither update sends a gradient into the other model: the generator update reads the critic
 without gradient, and the critic update generates without gradient.
+
+Every forward (the rollout's, the student's update, the teacher's, the critic's) goes through the
+conditioning layer, so each sees the teacher kind's input and timestep (TI2V-5B: one per token) and
+the sample's condition (an image). Every loss counts only what the condition leaves to the model
+(`loss_weight`; TI2V image mode: not latent frame 0, the image), the normaliser of the gradient too:
+weight None, every other kind and mode, is exactly the unweighted arithmetic.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 import torch
 
 from distill.config.settings import TrainConfig
-from distill.models.conditioning import Condition, batch_condition, conditioned
+from distill.models.conditioning import Condition, batch_condition, blend_latents, conditioned, loss_weight
 from distill.models.few_step import check_grid, few_step_scheduler, rollout, student_grid
 from distill.models.flow_matching import (
     add_noise,
@@ -92,18 +98,30 @@ def final_step_motion(x0_hat: torch.Tensor, teacher_x0: torch.Tensor, final: boo
     return extras
 
 
-def dmd_gradient(x0_hat: torch.Tensor, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
-    """DMD2's normalised distribution-matching gradient, per sample: (fake - real) / mean|x0_hat - real|."""
+def dmd_gradient(
+    x0_hat: torch.Tensor, real: torch.Tensor, fake: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """DMD2's normalised distribution-matching gradient, per sample: (fake - real) / mean|x0_hat - real|.
+
+    With `weight` (conditioning.loss_weight: 0 where the condition fixes the latents) the mean is
+    over the counted positions only and the gradient is 0 elsewhere: the scores there answer a
+    position the sampler overwrites, and would otherwise scale the gradient of every other one."""
     x0_hat = x0_hat.detach().float()
     dims = tuple(range(1, x0_hat.dim()))
-    normaliser = (x0_hat - real).abs().mean(dim=dims, keepdim=True).clamp_min(1e-12)
-    return torch.nan_to_num((fake - real) / normaliser)
+    if weight is None:
+        normaliser = (x0_hat - real).abs().mean(dim=dims, keepdim=True).clamp_min(1e-12)
+        return torch.nan_to_num((fake - real) / normaliser)
+    weight = weight.to(x0_hat.device, torch.float32).expand_as(x0_hat)
+    counted = weight.sum(dim=dims, keepdim=True).clamp_min(1.0)
+    normaliser = ((x0_hat - real).abs() * weight).sum(dim=dims, keepdim=True) / counted
+    return torch.nan_to_num((fake - real) * weight / normaliser.clamp_min(1e-12))
 
 
-def dmd_loss(x0_hat: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Per-sample 0.5 * MSE(x0_hat, stopgrad(x0_hat - grad)): its gradient w.r.t. x0_hat is grad / numel."""
+def dmd_loss(x0_hat: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample 0.5 * MSE(x0_hat, stopgrad(x0_hat - grad)): its gradient w.r.t. x0_hat is grad / numel
+    (grad / the counted positions with `weight`, which leaves the others out of the mean)."""
     target = (x0_hat.detach().float() - grad).detach()
-    return 0.5 * per_sample_mse(x0_hat, target)
+    return 0.5 * per_sample_mse(x0_hat, target, weight)
 
 
 def score_sigmas(uniform: torch.Tensor, shift: float) -> torch.Tensor:
@@ -114,16 +132,22 @@ def score_sigmas(uniform: torch.Tensor, shift: float) -> torch.Tensor:
     return shift_sigmas(uniform.double(), shift).clamp(*SCORE_SIGMA_RANGE)
 
 
-def phase_steps(timesteps: torch.Tensor, boundary_ratio: float, phase: str) -> list[int]:
-    """Indices of the student's steps an --expert_phase trains (all of them for "both")."""
+def phase_steps(timesteps: torch.Tensor, boundary_ratio: float | None, phase: str) -> list[int]:
+    """Indices of the student's steps an --expert_phase trains (all of them for "both", and for the
+    one transformer of a teacher with no boundary, which is `transformer`, the "high" expert)."""
     high = high_noise_mask(timesteps, boundary_ratio)
     keep = {"both": torch.ones_like(high), "high": high, "low": ~high}[phase]
     return [i for i in range(len(timesteps)) if keep[i]]
 
 
-def phase_uniform(uniform: torch.Tensor, phase: str, shift: float, boundary_ratio: float) -> torch.Tensor:
+def phase_uniform(
+    uniform: torch.Tensor, phase: str, shift: float, boundary_ratio: float | None
+) -> torch.Tensor:
     """Uniform [0, 1) numbers moved into the part of [0, 1) whose shifted sigma lies on `phase`'s side
-    of the boundary (shift_sigmas is monotonic: it is inverted at the boundary)."""
+    of the boundary (shift_sigmas is monotonic: it is inverted at the boundary). With no boundary
+    every noise level is the one transformer's: the numbers as they are."""
+    if boundary_ratio is None:
+        return uniform
     at_boundary = boundary_ratio / (shift - (shift - 1.0) * boundary_ratio)
     if phase == "high":
         return at_boundary + uniform * (1.0 - at_boundary)
@@ -181,7 +205,9 @@ class DmdMethod(Method):
         check_grid(self.timesteps, env.teacher.boundary_ratio, cfg.student_shift)
         # --expert_phase: the student steps, and the noise levels of the score and the critic, on one
         # side of the boundary (published phased recipes keep each expert's DMD inside its range).
-        self.phase = cfg.expert_phase
+        # One transformer owns every step and noise level: its only phase is both (run_checks
+        # refuses another --expert_phase for such a teacher before anything loads).
+        self.phase = cfg.expert_phase if env.teacher.boundary_ratio is not None else "both"
         self.step_choices = phase_steps(self.timesteps, env.teacher.boundary_ratio, self.phase)
         self.trend = CriticLossTrend()
         advice = guided_stage_one(cfg.student_init)
@@ -251,32 +277,36 @@ class DmdMethod(Method):
             x = rng.noise(shape)
             with torch.no_grad(), env.autocast():
                 x = rollout(
-                    conditioned(self.models["student"], kind, condition),
+                    self.models["student"],
                     x,
                     cond,
                     self.timesteps,
                     self.sigmas,
                     rng.noise,
                     stop=k,
+                    kind=kind,
+                    condition=condition,
                 )
         else:  # data: the teacher's clean latents noised to the student's k-th sigma
             x0 = batch["x0"].to(device, torch.float32, non_blocking=True)
             x = add_noise(x0, rng.noise(shape), self.sigmas[k].expand(n))
-        inputs, timesteps, text = x, self.timesteps[k].expand(n), cond
+        inputs, timesteps, text, both = x, self.timesteps[k].expand(n), cond, condition
         if regression:
             teacher_noise = batch["noise"].to(device, torch.float32, non_blocking=True)
             inputs = torch.cat([x, teacher_noise])
             timesteps = torch.cat([timesteps, self.timesteps[0].expand(n)])
             text = torch.cat([cond, cond])
-            condition = condition.repeat(2) if condition is not None else None
+            both = condition.repeat(2) if condition is not None else None
         with env.autocast():
-            velocity = conditioned(model, kind, condition)(
+            velocity = conditioned(model, kind, both)(
                 hidden_states=inputs,
                 timestep=timesteps.to(device),
                 encoder_hidden_states=text,
                 return_dict=False,
             )[0].float()
-        x0_hat = x.float() - self.sigmas[k].to(device) * velocity[:n]
+        # The sample as the sampler hands it on: what the condition fixes put back (TI2V image mode:
+        # the image at frame 0, which carries no gradient), so the scores and the metrics see it.
+        x0_hat = blend_latents(kind, x.float() - self.sigmas[k].to(device) * velocity[:n], condition)
         if not regression:
             return x0_hat, None, k
         return x0_hat, inputs[n:] - self.sigmas[0].to(device) * velocity[n:], k
@@ -303,16 +333,15 @@ class DmdMethod(Method):
         noise = rng.noise(tuple(x0_hat.shape))
         timesteps = sigmas_to_timesteps(sigmas).to(env.device)
         x_t = add_noise(x0_hat, noise, sigmas)
-        critic = conditioned(
-            self.train_models["critic"], env.teacher.kind, batch_condition(batch, env.device)
-        )
+        condition = batch_condition(batch, env.device)
+        critic = conditioned(self.train_models["critic"], env.teacher.kind, condition)
         with env.autocast():
             prediction = critic(
                 hidden_states=x_t, timestep=timesteps, encoder_hidden_states=cond, return_dict=False
             )[0]
         dims = tuple(range(1, x0_hat.dim()))
         return UpdateLoss(
-            per_sample_mse(prediction, noise - x0_hat),
+            per_sample_mse(prediction, noise - x0_hat, loss_weight(env.teacher.kind, x_t, condition)),
             high_noise_mask(timesteps, env.teacher.boundary_ratio),
             # The student's samples against the teacher's clean latents: over-saturation shows here
             # first, and on clips slow motion (the teacher's cached latents of the same prompts).
@@ -358,6 +387,8 @@ class DmdMethod(Method):
         experts_needed = (bool(high_anywhere.any()), bool((~high_anywhere).any()))
         noise = rng.noise(tuple(x0_hat.shape))
         x_t = add_noise(x0_hat.detach(), noise, sigmas)
+        condition = batch_condition(batch, env.device)
+        weight = loss_weight(env.teacher.kind, x_t, condition)
         real, fake = score_estimates(
             x_t,
             sigmas,
@@ -367,13 +398,13 @@ class DmdMethod(Method):
             self.models["critic"],
             experts_needed,
             env.autocast,
-            batch_condition(batch, env.device),
+            condition,
         )
-        losses = dmd_loss(x0_hat, dmd_gradient(x0_hat, real, fake))
+        losses = dmd_loss(x0_hat, dmd_gradient(x0_hat, real, fake, weight), weight)
         extras = {}
         if regression:
             target = batch["x0"].to(env.device, torch.float32, non_blocking=True)
-            reg = per_sample_mse(first, target)
+            reg = per_sample_mse(first, target, weight)
             losses = losses + cfg.regression_weight * reg
             extras["regression_loss"] = reg.detach()
         # The sigmas are float64 on the CPU (see score_sigmas); the mask joins the losses on the device.

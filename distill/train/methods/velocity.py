@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from distill.models.conditioning import batch_condition, conditioned
+from distill.models.conditioning import batch_condition, conditioned, loss_weight
 from distill.models.flow_matching import (
     add_noise,
     high_noise_mask,
@@ -54,7 +54,7 @@ class VelocityMethod(Method):
         sigma = sigmas.to(device, torch.float32, non_blocking=True).view(-1, *([1] * (x_t.dim() - 1)))
         extras = motion_extras(x_t - sigma * prediction.float(), x_t - sigma * target.float())
         return UpdateLoss(
-            per_sample_mse(prediction, target),
+            per_sample_mse(prediction, target, loss_weight(env.teacher.kind, x_t, condition)),
             high_noise_mask(timesteps_device, env.teacher.boundary_ratio),
             extras,
         )
