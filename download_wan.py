@@ -27,6 +27,8 @@ or write a tiny random teacher for tests and offline demos.
     python download_wan.py --tiny outputs/tiny_ti2v_original --tiny_kind ti2v --layout original
     # A small teacher TRAINED on a synthetic world (shipped weights, a second, no network):
     python download_wan.py --toy outputs/toy-wan
+    # ... or its image-to-video teacher (Wan2.2-I2V-A14B layout, trained on the same world):
+    python download_wan.py --toy outputs/toy-i2v --toy_kind i2v
     # Convert an ORIGINAL Wan2.2-T2V-A14B download to the diffusers layout once:
     python download_wan.py --convert models/Wan2.2-T2V-A14B models/Wan2.2-T2V-A14B-Diffusers
 
@@ -86,6 +88,8 @@ PRESETS = {
     ),
 }
 DEFAULT_PRESET = "wan2.2-t2v-a14b"
+# --toy_kind: the trained toy teachers shipped in assets/ (distill/toy/shipped.py TOY_TEACHERS).
+TOY_KINDS = ("t2v", "i2v")
 # --tiny_kind: the short names of distill/models/teacher_kind.py's kinds.
 TINY_KINDS = ("t2v", "i2v", "ti2v")
 
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_output_folder(args)
         if args.toy is not None:
-            return write_toy(Path(args.toy), args.seed, args.overwrite)
+            return write_toy(Path(args.toy), args.seed, args.overwrite, args.toy_kind or "t2v")
         if args.tiny is not None:
             return write_tiny(
                 Path(args.tiny),
@@ -246,6 +250,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --tiny: which Wan 2.2 model, in either layout (default: t2v = Wan2.2-T2V-A14B; "
         "i2v = Wan2.2-I2V-A14B; ti2v = Wan2.2-TI2V-5B)",
     )
+    parser.add_argument(
+        "--toy_kind",
+        choices=TOY_KINDS,
+        help="with --toy: which trained toy teacher (default: t2v = Wan2.2-T2V-A14B layout; "
+        "i2v = Wan2.2-I2V-A14B layout, image to video)",
+    )
     args = parser.parse_args(argv)
     _reject_stray_options(parser, args)
     return args
@@ -275,6 +285,8 @@ def _reject_stray_options(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--layout only applies to --tiny")
     if args.tiny is None and args.tiny_kind is not None:
         parser.error("--tiny_kind only applies to --tiny")
+    if args.toy is None and args.toy_kind is not None:
+        parser.error("--toy_kind only applies to --toy")
 
 
 # --- download -------------------------------------------------------------------------------
@@ -696,16 +708,17 @@ def write_tiny(
     return 0
 
 
-def write_toy(out_dir: Path, seed: int | None, overwrite: bool) -> int:
-    """Copy the trained toy teacher into `out_dir` and say what it holds."""
+def write_toy(out_dir: Path, seed: int | None, overwrite: bool, toy_kind: str = "t2v") -> int:
+    """Copy a trained toy teacher (`toy_kind` t2v or i2v) into `out_dir` and say what it holds."""
     import json
 
-    from distill.toy.shipped import ASSETS, write_toy_teacher
+    from distill.toy.shipped import TOY_TEACHERS, write_toy_teacher
     from distill.toy.world import WORLD_FILE
 
+    source, model, rebuild = TOY_TEACHERS[toy_kind]
     shipped = (
-        json.loads((ASSETS / WORLD_FILE).read_text())["recipe"]["seed"]
-        if (ASSETS / WORLD_FILE).is_file()
+        json.loads((source / WORLD_FILE).read_text())["recipe"]["seed"]
+        if (source / WORLD_FILE).is_file()
         else 0
     )
     if seed is not None and seed != shipped:
@@ -713,18 +726,19 @@ def write_toy(out_dir: Path, seed: int | None, overwrite: bool) -> int:
             f"The shipped toy teacher was trained with seed {shipped}, not {seed}",
             "Its weights are trained (minutes), not drawn at random, so a seed cannot be applied on copying.",
             fixes=[
-                f"Leave out --seed, or train one with that seed first: python -m distill.toy.build --retrain "
-                f"--seed {seed} --output {out_dir}",
+                f"Leave out --seed, or train one with that seed first: {rebuild} --seed {seed} --output {out_dir}",
             ],
             stage=Stage.SETUP,
         )
-    path = write_toy_teacher(out_dir, overwrite=overwrite)
+    path = write_toy_teacher(out_dir, overwrite=overwrite, source=source)
     description = json.loads((path / WORLD_FILE).read_text())
     total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    print(
-        f"Wrote the toy Wan 2.2 T2V A14B teacher (trained, seed {shipped}) to {path} ({total / 1024:.0f} KiB)"
-    )
+    print(f"Wrote the toy {model} teacher (trained, seed {shipped}) to {path} ({total / 1024:.0f} KiB)")
     print(f"  world: {description['grammar']} ({path / WORLD_FILE})")
+    if "motion_prompt_example" in description:
+        print(
+            f"  prompts name the motion only, the image shows the rest: {description['motion_prompt_example']!r}"
+        )
     print(
         f"  samples at {description['height']}x{description['width']}, {description['sample_steps']} steps, "
         f"guidance {description['guidance_scale']} / {description['guidance_scale_2']}"

@@ -80,10 +80,11 @@ def _words(prompts: list[str]) -> list[str]:
     return sorted({w for p in prompts for w in p.split()})
 
 
-def build_tokenizer(clips: bool = True) -> Any:
+def build_tokenizer(clips: bool = True, extra_words: tuple[str, ...] = ()) -> Any:
     """A T5-style Unigram tokenizer whose pieces are the grammar's words (plus single characters,
     so any text still tokenizes). The clip grammar's own words come last, so a picture-only
-    tokenizer (`clips=False`) gives every picture prompt the same ids."""
+    tokenizer (`clips=False`) gives every picture prompt the same ids; `extra_words` (those not
+    already pieces) come after them, so they leave every world prompt's ids as they were."""
     from distill.models.tiny import t5_unigram_tokenizer
 
     pieces = [(_METASPACE + w, -2.0) for w in _words(world.all_prompts())]
@@ -91,6 +92,8 @@ def build_tokenizer(clips: bool = True) -> Any:
     if clips:
         picture_words = set(_words(world.all_prompts()))
         pieces += [(_METASPACE + w, -2.0) for w in _words(world.all_clip_prompts()) if w not in picture_words]
+    known = {piece for piece, _ in pieces}
+    pieces += [(_METASPACE + w, -2.0) for w in dict.fromkeys(extra_words) if _METASPACE + w not in known]
     return t5_unigram_tokenizer(pieces, MAX_SEQUENCE_LENGTH)
 
 

@@ -29,14 +29,19 @@ FOCUS_SIGMA = 0.45
 def train_experts(
     high: Any,
     low: Any,
-    data: list[tuple[torch.Tensor, torch.Tensor, int]],
+    data: list[tuple[torch.Tensor, ...]],
     text: tuple[torch.Tensor, torch.Tensor],
     recipe: Recipe,
     log: Any = print,
+    device: str | torch.device = "cpu",
 ) -> None:
     """Flow matching of the recipe's trained experts (both by default) on each (latents (N, C, T,
     h, w), prompt ids (N,) into the folded text table `text` (whose last row is the empty prompt),
-    batch) of `data` every step: pictures and clips side by side, as Wan trains on both."""
+    batch[, condition]) of `data` every step: pictures and clips side by side, as Wan trains on both.
+    A `condition` (N, C', T, h, w) is concatenated after the noisy latents, as the image-to-video
+    model's input is (models/conditioning.py `model_input`); it is never dropped with the text.
+    Every draw comes from one CPU generator, so `device` changes where the arithmetic runs, not which
+    samples, noise and timesteps a step sees."""
     short, bias = text
     empty = short.shape[0] - 1
     generator = torch.Generator().manual_seed(recipe.seed * 31 + 5)
@@ -47,7 +52,7 @@ def train_experts(
     }
     focus_from = unshifted(FOCUS_SIGMA, recipe.flow_shift)
     for model in (high, low):
-        model.eval().requires_grad_(False)  # an expert the recipe does not train stays as it is
+        model.to(device).eval().requires_grad_(False)  # an expert the recipe does not train stays as it is
     experts = {
         name: model for name, model in (("high", high), ("low", low)) if name in recipe.trained_experts
     }
@@ -62,24 +67,27 @@ def train_experts(
         for step in range(recipe.expert_steps):
             losses = {}
             for name, model in experts.items():
-                losses[name] = torch.zeros(())
-                for latents, prompt_ids, batch in data:
+                losses[name] = torch.zeros((), device=device)
+                for latents, prompt_ids, batch, *condition in data:
                     index = torch.randint(0, len(latents), (batch,), generator=generator)
                     x0 = latents[index]
-                    noise = torch.randn(x0.shape, generator=generator)
+                    noise = torch.randn(x0.shape, generator=generator).to(device)
+                    x0 = x0.to(device)
                     lo, hi = ranges[name]
                     u = lo + (hi - lo) * torch.rand(len(index), generator=generator)
                     if name == "low" and recipe.low_focus > 0:
                         focused = torch.rand(len(index), generator=generator) < recipe.low_focus
                         top = focus_from + (hi - focus_from) * torch.rand(len(index), generator=generator)
                         u = torch.where(focused, top, u)
-                    sigma = shifted_sigma(u, recipe.flow_shift)
+                    sigma = shifted_sigma(u, recipe.flow_shift).to(device)
                     s = sigma.view(-1, 1, 1, 1, 1)
                     x_t = (1.0 - s) * x0 + s * noise
                     ids = prompt_ids[index].clone()
                     ids[torch.rand(len(ids), generator=generator) < recipe.text_dropout] = empty
-                    processors[name].bias = bias[ids]
-                    v = model(x_t, sigma * 1000.0, short[ids], return_dict=False)[0]
+                    processors[name].bias = bias[ids].to(device)
+                    if condition:
+                        x_t = torch.cat([x_t, condition[0][index].to(device)], dim=1)
+                    v = model(x_t, sigma * 1000.0, short[ids].to(device), return_dict=False)[0]
                     losses[name] = losses[name] + (v - (noise - x0)).pow(2).mean()
             optimizer.zero_grad(set_to_none=True)
             sum(losses.values()).backward()
@@ -92,4 +100,5 @@ def train_experts(
     finally:
         for model in experts.values():
             unfold_from(model)
-            model.eval().requires_grad_(False)
+        for model in (high, low):
+            model.to("cpu").eval().requires_grad_(False)

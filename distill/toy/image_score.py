@@ -54,7 +54,8 @@ from distill.toy.world import (
 
 MOTION_SUBJECT = "the shape"
 """What a motion-only prompt calls the object: it names none of the image's attributes. "shape" is
-not a word of the toy tokenizer's grammar; a toy I2V teacher's tokenizer needs it as a piece."""
+not a word of the toy T2V tokenizer's grammar; the toy I2V teacher's tokenizer has it as a piece
+(`build_i2v.i2v_tokenizer`)."""
 HELD_OUT_SEED = 3800
 """Default seed of the held-out cases: a teacher or student trained on image cases draws its own
 from other seeds."""

@@ -14,18 +14,26 @@ from distill.ops.errors import DistillError, Stage
 from distill.toy import world
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "toy_teacher"
+I2V_ASSETS = ASSETS.parent / "toy_i2v_teacher"
+TOY_TEACHERS = {
+    "t2v": (ASSETS, "Wan 2.2 T2V A14B", "python -m distill.toy.build --retrain"),
+    "i2v": (I2V_ASSETS, "Wan 2.2 I2V A14B", "python -m distill.toy.build_i2v --retrain"),
+}
+"""download_wan.py --toy_kind -> (shipped folder, the model whose layout it has, its rebuild command)."""
 
 
 def write_toy_teacher(out_dir: str | Path, *, overwrite: bool = False, source: Path = ASSETS) -> Path:
-    """Copy the trained toy teacher (shipped in assets/toy_teacher/) to `out_dir`: a Wan 2.2
-    T2V A14B teacher folder in the diffusers layout, plus toy_world.json. Takes about a second."""
+    """Copy a trained toy teacher (`source`: assets/toy_teacher/, the Wan 2.2 T2V A14B one, or
+    assets/toy_i2v_teacher/, I2V A14B) to `out_dir`: a teacher folder in the diffusers layout, plus
+    toy_world.json. Takes about a second."""
     out_dir = Path(out_dir).expanduser().absolute()
     if not (source / world.WORLD_FILE).is_file():
+        rebuild = next(
+            (r for folder, _, r in TOY_TEACHERS.values() if folder == source), TOY_TEACHERS["t2v"][2]
+        )
         raise DistillError(
             f"The trained toy teacher is missing from {source}",
-            fixes=[
-                "Restore assets/toy_teacher/ from git, or rebuild it: python -m distill.toy.build --retrain"
-            ],
+            fixes=[f"Restore {source.name}/ from git (assets/), or rebuild it: {rebuild}"],
             stage=Stage.SETUP,
         )
     if out_dir.exists() and not out_dir.is_dir():
