@@ -43,12 +43,29 @@ SMALL_EXPERT = dict(
 )
 
 
+# The modules that train toy students for minutes (`make test --durations`: 2-4 min each on one
+# core), longest first: they start before everything else.
+HEAVIEST_MODULES = (
+    "test_toy_clip_dmd.py",
+    "test_toy_distill.py",
+    "test_toy_lora.py",
+    "test_toy_clip_lora.py",
+    "test_toy_dmd.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules marked `long` run first: `make test` hands whole modules to its two workers
-    (--dist loadfile, so a module's expensive fixtures are built once), and the longest ones
-    started last would leave one worker alone at the end. The sort is stable: every module's
+    """The heaviest modules first, then those marked `long`: `make test` hands whole modules to its
+    two workers (--dist loadfile, so a module's expensive fixtures are built once), and the longest
+    ones started last would leave one worker alone at the end. The sort is stable: every module's
     tests stay together and in order."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+    def order(item: pytest.Item) -> tuple[int, bool]:
+        name = item.path.name
+        heavy = HEAVIEST_MODULES.index(name) if name in HEAVIEST_MODULES else len(HEAVIEST_MODULES)
+        return heavy, item.get_closest_marker("long") is None
+
+    items.sort(key=order)
 
 
 @pytest.fixture(scope="session", autouse=True)
