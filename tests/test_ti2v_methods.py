@@ -44,6 +44,7 @@ from distill.sample.run_settings import read_run_settings
 from distill.sample.student_folder import load_student
 from distill.train.methods.base import BatchRandomness, MethodEnv
 from distill.train.methods.dmd import DmdMethod, dmd_gradient, dmd_loss
+from distill.train.methods.velocity import VelocityMethod
 from distill.train.trainer import Distiller
 from train_distillation import main as train
 
@@ -188,25 +189,26 @@ class ShiftedAt(nn.Module):
         return (out + bump,)
 
 
-def dmd_losses(world, student_frame: int | None, critic_frame: int | None) -> tuple[torch.Tensor, ...]:
-    """(generator loss, critic loss) per sample of one image-mode batch, the same randomness each
-    call, with the student's and the critic's velocity moved at the frames given."""
+def method_losses(
+    world, method: str, student_frame: int | None, critic_frame: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    """The per-sample loss of each of `method`'s updates ("student", then "critic" for dmd) on one
+    image-mode batch, the same randomness each call, with the student's and the critic's velocity
+    moved at the frames given."""
     info = inspect_teacher(str(world["teacher"]))
     transformer, _ = load_experts(info, torch.float32)
     torch.manual_seed(0)
     _, condition = image_inputs(world)
-    cfg = parse_config(
-        args_for(world, world["root"] / "unused", "image", method="dmd", regression_weight=0.5)
-    )
+    extra = {"regression_weight": 0.5} if method == "dmd" else {}
+    cfg = parse_config(args_for(world, world["root"] / "unused", "image", method=method, **extra))
     teacher = GuidedTeacher(transformer, None, None, 5.0, 1.0, CPU, torch.float32, kind=TI2V_5B)
     shape = info.latent_shape(SIZE, SIZE, FRAMES)
     env = MethodEnv(teacher, torch.zeros(1, LENGTH, info.text_dim), CPU, 5.0, contextlib.nullcontext,
                     lambda: (0.0, 1.0), shape)  # fmt: skip
-    models = {
-        "student": ShiftedAt(transformer, student_frame),
-        "critic": ShiftedAt(transformer, critic_frame),
-    }
-    method = DmdMethod(cfg, env, models)
+    models = {"student": ShiftedAt(transformer, student_frame)}
+    if method == "dmd":
+        models["critic"] = ShiftedAt(transformer, critic_frame)
+    chosen = DmdMethod(cfg, env, models) if method == "dmd" else VelocityMethod(cfg, env, models)
     draw = torch.Generator().manual_seed(5)
     batch = {
         "cond": torch.randn(2, LENGTH, info.text_dim, generator=draw),
@@ -216,11 +218,27 @@ def dmd_losses(world, student_frame: int | None, critic_frame: int | None) -> tu
         "condition_mask": condition.mask.repeat(2, 1, 1, 1, 1),
     }
     losses = []
-    for update in ("student", "critic"):
+    for update in models:
         rng = BatchRandomness(torch.Generator().manual_seed(7), 11, 0, 1, CPU)
         with torch.no_grad():
-            losses.append(method.loss(update, batch, rng).losses)
+            losses.append(chosen.loss(update, batch, rng).losses)
     return tuple(losses)
+
+
+def dmd_losses(world, student_frame: int | None, critic_frame: int | None) -> tuple[torch.Tensor, ...]:
+    """(generator loss, critic loss) per sample of one image-mode dmd batch."""
+    return method_losses(world, "dmd", student_frame, critic_frame)
+
+
+def test_the_velocity_loss_does_not_depend_on_a_prediction_at_the_image_frame(world):
+    """Velocity distillation in image mode: the image's latent frame is given, not predicted, so a
+    student velocity moved there changes no sample's loss; moved at frame 1, it changes every one."""
+    (loss,) = method_losses(world, "velocity", None)
+    assert torch.isfinite(loss).all() and float(loss.min()) > 0
+    (moved_at_image,) = method_losses(world, "velocity", 0)
+    assert torch.equal(moved_at_image, loss)
+    (moved_after,) = method_losses(world, "velocity", 1)
+    assert bool((moved_after > loss * 1.01).all())
 
 
 def test_no_dmd_loss_depends_on_a_prediction_at_the_image_frame(world):
