@@ -79,6 +79,20 @@ def one_thread_per_worker():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def plan_measurements_of_this_session(tmp_path_factory: pytest.TempPathFactory):
+    """Every run logs its memory plan, measured on fake tensors (seconds per model use): the suite's
+    processes (both workers, and the runs they start) share one measurement folder, started empty each
+    session, so a suite never reads numbers an earlier one measured (distill/train/measurement_cache.py)."""
+    from distill.train.measurement_cache import PLAN_CACHE_ENV
+
+    base = tmp_path_factory.getbasetemp()
+    # Under pytest-xdist each worker has its own folder in the session's: the parent is shared.
+    session = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ[PLAN_CACHE_ENV] = str(session / "plan-measurements")
+    yield
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """For modules that train the toy models (`pytestmark = pytest.mark.usefixtures("one_thread")`):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from distill.ops.live_memory import LiveTensorMemory
+from distill.train.measurement_cache import cached_measurement
 
 PROBE_DEPTHS = (2, 3)  # blocks of the two measured models (1 block has a one-off difference)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,6 +126,12 @@ def _extend(shallow: float, deep: float, layers: int) -> float:
 
 @lru_cache(maxsize=256)
 def _measure(use: ModelUse, layers: int, with_grad: bool) -> tuple[float, ...]:
+    """The bytes of one measurement: this process's, else an earlier process's under the same code
+    (measurement_cache), else measured now."""
+    return cached_measurement(repr((use, layers, with_grad)), lambda: _measure_now(use, layers, with_grad))
+
+
+def _measure_now(use: ModelUse, layers: int, with_grad: bool) -> tuple[float, ...]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # Fake tensors draw no random numbers, but building the model seeds and reads the global RNG:
