@@ -23,7 +23,13 @@ from distill.models.student import build_student
 from distill.models.student_config import load_student_config
 from distill.models.teacher import inspect_teacher, load_expert
 from distill.models.tiny import TinyTeacherShape, write_tiny_teacher
-from distill.report.monitor import DEFAULT_SAMPLE_PROMPTS, SampleMonitor, SampleSettings, sampling_weights
+from distill.report.monitor import (
+    DEFAULT_SAMPLE_PROMPTS,
+    LOSS_PLOT_MIN_SECONDS,
+    SampleMonitor,
+    SampleSettings,
+    sampling_weights,
+)
 from distill.report.plots import read_metrics
 from distill.sample.media import rank_share
 from distill.sample.pipeline_folder import write_pipeline_folder
@@ -230,10 +236,13 @@ def test_loss_plot_from_metrics_file(teacher, tmp_path):
     assert merged[1]["loss"] == 0.04 and merged[-1]["loss"] == 0.01 and merged[-1]["eval/denoiser_mse"] == 0.5
 
     monitor = SampleMonitor(image_settings(save_samples=False), teacher[0], tmp_path, CPU)
-    out = monitor.plot_loss(metrics, tmp_path / "loss.png")
+    # Within 10 s of the monitor's start nothing is drawn (a short run draws once, at its end)...
+    assert monitor.plot_loss(metrics, tmp_path / "loss.png") is None and not (tmp_path / "loss.png").exists()
+    out = monitor.plot_loss(metrics, tmp_path / "loss.png", force=True)  # ...unless forced (the end)
     assert out == tmp_path / "loss.png" and imageio.imread(out).shape[2] in (3, 4)
-    assert monitor.plot_loss(metrics, out) is None  # redrawn at most every 10 s...
-    assert monitor.plot_loss(metrics, out, force=True) == out  # ...or when forced (end of training)
+    assert monitor.plot_loss(metrics, out) is None  # redrawn at most every 10 s
+    monitor._last_loss_plot -= LOSS_PLOT_MIN_SECONDS  # as if 10 s had passed
+    assert monitor.plot_loss(metrics, out) == out
     rank1 = SampleMonitor(image_settings(), teacher[0], tmp_path, CPU, rank=1, world_size=2)
     assert rank1.plot_loss(metrics, tmp_path / "x.png", force=True) is None
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -261,7 +260,9 @@ class SampleMonitor:
         self._scheduler = None
         self.teacher_files: list[Path] = []
         self._teacher_previews: list[Any] = []
-        self._last_loss_plot = -math.inf
+        # The redraw window starts now, not at the first logged step: a run that ends within it draws
+        # loss.png once, at its end (a redraw and matplotlib's import cost ~1 s, most of a short run).
+        self._last_loss_plot = time.monotonic()
 
     # -- what the trainer asks -----------------------------------------------------------------
     @property
@@ -482,7 +483,8 @@ class SampleMonitor:
         """Redraw loss.png from metrics.jsonl; call it at every logged step and with force=True at the end.
 
         Rank 0 only. A redraw costs ~0.15 s, so without `force` it is skipped when the last one is
-        less than LOSS_PLOT_MIN_SECONDS old (tiny runs log many times a second). Returns the file,
+        less than LOSS_PLOT_MIN_SECONDS old, or the monitor was made less than that ago (tiny runs log
+        many times a second, and a short run then draws only at its end). Returns the file,
         or None when nothing was drawn.
         """
         now = time.monotonic()
