@@ -34,6 +34,8 @@ COMMANDS = {
     "distill.gpu_check",
     "distill.stress",
     "distill.toy.stage_one",
+    "distill.toy.i2v_students",
+    "distill.toy.i2v_ship",
 }
 MAX_LINES = 500
 LONG_MODULE_REASON = "Longer than 500 lines because"

@@ -12,6 +12,9 @@ evaluation looks here, when the teacher folder holds `toy_world.json`.
 - `evaluation`: samples teacher and student on the world's prompts and scores them (the report's
   toy entry is written by distill.report.toy_report)
 - `stage_one`: the command that retrains the shipped stage-1 student (`make toy-stage1`)
+- image to video: `build_i2v` grows the I2V teacher, `image_score` scores clips against their input
+  image, `i2v_evaluation` samples it, `i2v_data` writes training pairs; the commands `i2v_students`
+  (scores few-step students against the teacher) and `i2v_ship` (retrains the shipped ones)
 
 It may import distill.ops and distill.models only; distill.report reads it, the trainer never does.
 """

@@ -49,6 +49,10 @@ def sample_cases(
     # One case per call: the stock pipeline encodes the image batch once per generator (or repeats
     # it per prompt), so a batch of images would pair each prompt with every image.
     for i, case in enumerate(cases):
+        if getattr(pipe.scheduler.config, "stochastic_sampling", False):
+            # A few-step student's scheduler re-noises from the global RNG (step() gets no
+            # generator): seeded per case, so its clips do not depend on what ran before.
+            torch.manual_seed(seed + i)
         out = pipe(
             # (1, 3, H, W) float in [0, 1]: the pipeline's processor maps it to [-1, 1] with no
             # rounding to uint8, so the condition is the one the teacher trained on.
@@ -59,7 +63,8 @@ def sample_cases(
             num_frames=frames,
             num_inference_steps=steps,
             guidance_scale=guidance[0],
-            guidance_scale_2=guidance[1],
+            # One transformer (a student replacing both experts) has no second scale to take.
+            guidance_scale_2=guidance[1] if pipe.config.boundary_ratio is not None else None,
             generator=torch.Generator().manual_seed(seed + i),
             output_type="np",
         ).frames

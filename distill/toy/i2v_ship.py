@@ -1,0 +1,187 @@
+"""The shipped 4-step students of the toy image-to-video teacher, and the commands that make them.
+
+    python -m distill.toy.i2v_ship --retrain dmd     # assets/toy_i2v_student_dmd/  (a small dmd student)
+    python -m distill.toy.i2v_ship --retrain lora    # assets/toy_i2v_student_lora/ (a LoRA of the experts)
+
+Each writes the training pairs (`i2v_data`, DATA), trains through the trainer with the flags of
+`RECIPES` (what `command()` prints, and what `make demo-i2v` runs), scores the student on 72 held-out
+cases against the teacher on the same images, prompts and noise (`i2v_students`), and ships the
+exported folder with RECORD_FILE: the exact command, the measured rows and the issue's bars. The
+tests score the shipped students instead of training them (tests/test_toy_i2v_students.py).
+
+The shipped files name the teacher as TEACHER_REF (where `make demo-i2v` writes it), not the folder
+they were trained from, so they carry no machine's paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from distill.ops.command import Parser, PathAction, entry_point, integer
+from distill.ops.paths import Kind
+
+REPO = Path(__file__).resolve().parents[2]
+TEACHER_REF = "outputs/toy-wan-i2v"
+RECORD_FILE = "toy_i2v_student.json"
+ASSETS = {
+    "dmd": REPO / "assets" / "toy_i2v_student_dmd",
+    "lora": REPO / "assets" / "toy_i2v_student_lora",
+}
+EXPORTED = {"dmd": "student", "lora": "lora"}
+"""The folder of the run that is shipped: the dmd student, or the LoRA adapters."""
+DATA = {"count": 512, "seed": 1}
+"""i2v_data's pairs: 3 of 4 prompts name only the motion, as the teacher trained."""
+EVAL_CASES = 72
+
+# What both runs share: the teacher's own clip guidance (3 / 1.5, from its toy_world.json) as the
+# real score, 32x32 clips of 9 frames, 4 student steps.
+COMMON: dict[str, Any] = {
+    "method": "dmd",
+    "height": 32,
+    "width": 32,
+    "num_frames": 9,
+    "guidance_scale": 3,
+    "guidance_scale_2": 1.5,
+    "batch_size": 16,
+    "student_steps": 4,
+    "critic_updates": 5,
+    "log_every": 50,
+    "checkpoint_every": 0,
+    "seed": 0,
+}
+RECIPES: dict[str, dict[str, Any]] = {
+    # The teacher's high-noise expert is where a clip's layout and motion are decided; a student of
+    # its shape that starts there keeps the teacher's motion (the clip demo, docs/toy-world.md); from
+    # the low-noise expert it lost it (motion ratio 0.80, static 0.19). The regression term (its first
+    # step onto the teacher's own samples, 4 teacher steps: the teacher is as good at 4 as at 20) lifted
+    # adherence by about 0.05 for 45 s of teacher sampling (docs/toy-world.md, image to video).
+    "dmd": COMMON
+    | {
+        "student_config": "config/student_toy_3layer_i2v.json",
+        "student_init": "teacher",
+        "student_init_expert": "high",
+        "teacher_sample_steps": 4,
+        "regression_weight": 0.25,
+        "num_steps": 300,
+        "lr": "3e-4",
+        "critic_lr": "3e-4",
+        "lr_scheduler": "cosine",
+    },
+    # A fresh LoRA student is the teacher itself; the LoRA dmd defaults (1e-4, constant). Its teacher
+    # latents only feed the run's drift and motion metrics (16 reference prompts).
+    "lora": COMMON | {"student_lora_rank": 16, "teacher_sample_steps": 20, "num_steps": 300},
+}
+
+
+def recipe_args(
+    kind: str, teacher: str | Path, data: str | Path, output_dir: str | Path, cache_dir: str | Path
+) -> list[str]:
+    """train_distillation.py's arguments of the `kind` run (RECIPES) on `teacher` and `data`."""
+    settings = {
+        "teacher_path": teacher,
+        "data_path": data,
+        "output_dir": output_dir,
+        "cache_dir": cache_dir,
+        **RECIPES[kind],
+    }
+    return [item for key, value in settings.items() for item in (f"--{key}", str(value))]
+
+
+def command(
+    kind: str, teacher: str | Path, data: str | Path, output_dir: str | Path, cache_dir: str | Path
+) -> str:
+    """The `kind` run as a user types it."""
+    args = recipe_args(kind, teacher, data, output_dir, cache_dir)
+    return "python train_distillation.py " + " ".join(shlex.quote(a) for a in args)
+
+
+def ship(kind: str, exported: str | Path, record: dict[str, Any], dest: Path | None = None) -> Path:
+    """Copy a run's exported folder (its student, or its LoRA adapters) to `dest` (ASSETS[kind])
+    atomically, naming the teacher as TEACHER_REF, with `record`."""
+    from distill.sample.model_card import write_model_card
+    from distill.sample.run_settings import RUN_SETTINGS_FILE, read_run_settings, write_run_settings
+    from distill.toy.shipped import staged_folder
+
+    dest = ASSETS[kind] if dest is None else dest
+    with staged_folder(dest) as staging:
+        shutil.copytree(exported, staging)
+        settings = dataclasses.replace(
+            read_run_settings(staging / RUN_SETTINGS_FILE), teacher_path=TEACHER_REF
+        )
+        write_run_settings(settings, staging)
+        ref = dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest
+        write_model_card(staging, settings, "lora" if kind == "lora" else "transformer", folder_ref=str(ref))
+        (staging / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return dest
+
+
+def retrain(kind: str, work: Path, dest: Path | None = None, count: int = EVAL_CASES) -> Path:
+    """Write the data, train the `kind` student, score it on `count` held-out cases, ship it."""
+    from distill.config.cli import parse_config
+    from distill.toy.i2v_data import write_i2v_data
+    from distill.toy.i2v_students import evaluate_students, table
+    from distill.toy.shipped import I2V_ASSETS, write_toy_teacher
+    from distill.train.trainer import Distiller
+
+    teacher = write_toy_teacher(work / "teacher", overwrite=True, source=I2V_ASSETS)
+    data = write_i2v_data(work / "data", **DATA)
+    run, cache = work / kind, work / f"{kind}-cache"
+    result = Distiller(parse_config(recipe_args(kind, teacher, data, run, cache))).run()
+    exported = run / EXPORTED[kind]
+    assert result.student_dir is not None and Path(result.student_dir).resolve() == exported.resolve()
+    report, _, _ = evaluate_students(teacher, {kind: exported}, count=count)
+    refs = {
+        "teacher": TEACHER_REF,
+        "data": "outputs/demo-i2v/data/prompts.jsonl",
+        "run": f"outputs/demo-i2v/{kind}",
+    }
+    record = {
+        "data_command": f"python -m distill.toy.i2v_data --output outputs/demo-i2v/data --count {DATA['count']} "
+        f"--seed {DATA['seed']}",
+        "command": command(kind, refs["teacher"], refs["data"], refs["run"], "outputs/demo-i2v/cache"),
+        "rebuild": f"python -m distill.toy.i2v_ship --retrain {kind}",
+        "evaluation": {**{k: v for k, v in report.items() if k != "teacher"}, "teacher": TEACHER_REF},
+        "table": table(report),
+    }
+    return ship(kind, exported, record, dest)
+
+
+@entry_point
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="python -m distill.toy.i2v_ship", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--retrain", choices=sorted(RECIPES), required=True, help="which student to train and ship"
+    )
+    parser.add_argument(
+        "--work_dir",
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        help="where the run goes (default outputs/toy-i2v-KIND)",
+    )
+    parser.add_argument(
+        "--output", action=PathAction, kind=Kind.OUTPUT_FOLDER, help="where it is shipped (default assets/)"
+    )
+    parser.add_argument("--count", type=integer(9), default=EVAL_CASES, help="held-out cases scored")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared machine
+    work = Path(args.work_dir or f"outputs/toy-i2v-{args.retrain}").absolute()
+    if (work / args.retrain).exists():
+        shutil.rmtree(work / args.retrain)  # a fresh run: the recipe is what gets shipped, not a resume
+    dest = retrain(
+        args.retrain, work, None if args.output is None else Path(args.output).absolute(), args.count
+    )
+    print(dest)
+    print(json.loads((dest / RECORD_FILE).read_text())["table"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
