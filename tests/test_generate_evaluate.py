@@ -191,7 +191,7 @@ def test_demo_pictures_for_the_readme_can_be_made(trained, teacher, tmp_path):
     student = WanTransformer3DModel.from_pretrained(trained.student_dir)
     grid = monitor.after_step(200, student)[-1]
     report = monitor.evaluate(200, student)
-    loss = monitor.plot_loss(trained.output_dir / "metrics.jsonl", tmp_path / "loss.png")
+    loss = monitor.plot_loss(trained.output_dir / "metrics.jsonl", tmp_path / "loss.png", force=True)
     assert set(report.metrics) >= {"eval/denoiser_mse", "eval/frame_psnr_db", "eval/speedup_forwards"}
     pictures = [grid, report.files[1], loss]
     assert [p.name for p in pictures] == ["grid_step_00000200.png", "eval.png", "loss.png"]

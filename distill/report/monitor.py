@@ -11,7 +11,7 @@ The trainer drives one `SampleMonitor`:
     monitor.start(teacher_high, teacher_low, embeddings, negative)     # teacher references, once
     files = monitor.after_step(step, student, ema)                      # samples + grid when due
     report = monitor.evaluate(step, student, ema)                       # eval.json/eval.png when due
-    monitor.plot_loss(output_dir / "metrics.jsonl", output_dir / "loss.png")
+    monitor.plot_loss(output_dir / "metrics.jsonl", output_dir / "loss.png")  # force=True at the end
 
 Every method is called on every rank. Each rank renders prompts[rank::world_size]; rank 0 builds
 the grid and the report once `barrier()` says the other ranks' files exist (the sample folder
