@@ -75,8 +75,10 @@ demo-clips: $(STAMP)
 		--prompts data/toy_video_sample_prompts.txt --output_dir $(CLIPS_OUT)/eval
 
 # Image to video: the toy Wan2.2-I2V-A14B teacher (assets/toy_i2v_teacher/) into two 4-step students,
-# a small dmd student (started from the teacher's high-noise expert, its shape: 3 layers of the
-# teacher's 3 + 5, 36 input channels) and a rank-16 LoRA of the teacher's own experts, both trained
+# a small dmd student (the low-noise expert's shape: 5 layers of the teacher's 3 + 5, 36 input
+# channels, one transformer for every step; it starts from the shipped stage 1,
+# assets/toy_i2v_student_stage1/, rebuilt by `python -m distill.toy.i2v_ship --retrain stage1` in
+# ~12 min) and a rank-16 LoRA of the teacher's own experts, both trained
 # on images paired with prompts that name only the motion (distill.toy.i2v_data; held-out images
 # never among them), at the teacher's guidance (3 / 1.5). Then both are scored against the teacher
 # at 20, 4 and 1 steps on 72 held-out images, prompts and noise: the table (image adherence, motion
@@ -96,11 +98,11 @@ demo-i2v: $(STAMP)
 	rm -rf $(I2V_OUT)
 	$(DEMO_ENV) $(PY) -m distill.toy.i2v_data --output $(I2V_OUT)/data --count 512 --seed 1
 	$(DEMO_ENV) $(PY) train_distillation.py --method dmd $(I2V_RUN) \
-		--student_config config/student_toy_3layer_i2v.json \
-		--student_init teacher --student_init_expert high \
+		--student_config config/student_toy_5layer_i2v.json \
+		--student_init assets/toy_i2v_student_stage1 --critic_init $(I2V_TEACHER)/transformer_2 \
 		--teacher_sample_steps 4 --regression_weight 0.25 \
 		--output_dir $(I2V_OUT)/dmd --cache_dir $(I2V_OUT)/cache \
-		--num_steps 300 --lr 3e-4 --critic_lr 3e-4 --lr_scheduler cosine
+		--num_steps 300 --lr 1e-4 --critic_lr 3e-4 --lr_scheduler cosine
 	$(DEMO_ENV) $(PY) train_distillation.py --method dmd $(I2V_RUN) \
 		--student_lora_rank 16 --teacher_sample_steps 20 \
 		--output_dir $(I2V_OUT)/lora --cache_dir $(I2V_OUT)/cache \

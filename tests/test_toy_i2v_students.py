@@ -1,11 +1,12 @@
 """Few-step students of the toy image-to-video teacher: they keep the input image and keep moving.
 
-The two students are shipped (assets/toy_i2v_student_dmd/: a dmd student of the high-noise expert's
-shape that replaces both experts; assets/toy_i2v_student_lora/: a LoRA of the teacher's own experts),
+The two students are shipped (assets/toy_i2v_student_dmd/: a dmd student of the low-noise expert's
+shape that replaces both experts, started from the shipped velocity stage 1,
+assets/toy_i2v_student_stage1/; assets/toy_i2v_student_lora/: a LoRA of the teacher's own experts),
 made by the commands of their toy_i2v_student.json (`python -m distill.toy.i2v_ship --retrain
-dmd|lora`, minutes each); these tests score them, not train them, against the teacher on the same
-held-out images, prompts and noise, through stock WanImageToVideoPipeline. The run a user starts from
-the data writer's file is proven here in a few steps."""
+stage1|dmd|lora`, minutes each); these tests score them, not train them, against the teacher on the
+same held-out images, prompts and noise, through stock WanImageToVideoPipeline. The run a user starts
+from the data writer's file is proven here in a few steps."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from distill.ops.errors import DistillError
 from distill.sample.run_settings import read_run_settings
 from distill.toy.i2v_data import IMAGES, PROMPTS_FILE, write_i2v_data
 from distill.toy.i2v_evaluation import load_pipeline, sample_cases
-from distill.toy.i2v_ship import ASSETS, RECIPES, RECORD_FILE, TEACHER_REF
+from distill.toy.i2v_ship import ASSETS, DEMO_KINDS, RECIPES, RECORD_FILE, TEACHER_REF, recipe
 from distill.toy.i2v_students import (
     ADHERENCE_SHARE,
     DIVERSITY_FACTOR,
@@ -72,21 +73,14 @@ def assert_keeps_the_motion_and_the_first_frame(student: dict, teacher: dict, sh
     assert student["parts"]["first_frame"] >= 0.9 and student["parts"]["start"] >= 0.75, student["parts"]
 
 
-def test_the_shipped_four_step_lora_keeps_the_image_and_the_motion(scored) -> None:
-    """Every bar of the issue: adherence at least 0.9x the teacher's at its full steps, and the rest."""
-    teacher, lora = scored["teacher", 20], scored["lora", 4]
-    assert lora["adherence"] >= ADHERENCE_SHARE * teacher["adherence"] - MARGIN, figures(scored)
-    assert_keeps_the_motion_and_the_first_frame(lora, teacher, figures(scored))
-
-
-def test_the_shipped_four_step_dmd_student_keeps_the_motion_and_half_the_adherence(scored) -> None:
-    """The small dmd student keeps the motion, frame 0 and the start, but misses the issue's adherence
-    bar (72 cases: 0.46 against the teacher's 0.74; a thin shape reads square or changes size after
-    frame 0). Asserted: at least half the teacher's adherence, far above the text-only failure."""
-    teacher, dmd = scored["teacher", 20], scored["dmd", 4]
-    assert dmd["adherence"] >= 0.5 * teacher["adherence"] - MARGIN, figures(scored)
-    assert dmd["adherence"] >= IDENTITY_CHANCE + 0.2, figures(scored)
-    assert_keeps_the_motion_and_the_first_frame(dmd, teacher, figures(scored))
+@pytest.mark.parametrize("kind", ["dmd", "lora"])
+def test_a_shipped_four_step_student_keeps_the_image_and_the_motion(scored, kind) -> None:
+    """Every bar of the issue: adherence at least 0.9x the teacher's at its full steps (72 cases: the
+    LoRA 0.68, the dmd student 0.69, against the teacher's 0.74), and the rest."""
+    teacher, student = scored["teacher", 20], scored[kind, 4]
+    assert student["adherence"] >= ADHERENCE_SHARE * teacher["adherence"] - MARGIN, figures(scored)
+    assert student["adherence"] >= IDENTITY_CHANCE + 0.3, figures(scored)  # far from the text-only failure
+    assert_keeps_the_motion_and_the_first_frame(student, teacher, figures(scored))
 
 
 @pytest.mark.parametrize("kind", ["dmd", "lora"])
@@ -98,18 +92,20 @@ def test_at_one_step_a_shipped_student_is_far_ahead_of_the_teacher(scored, kind)
     assert lead >= ONE_STEP_LEAD - 2 * MARGIN, figures(scored)
 
 
-@pytest.mark.parametrize("kind", ["dmd", "lora"])
+@pytest.mark.parametrize("kind", sorted(RECIPES))
 def test_the_shipped_students_are_what_their_recorded_commands_make(kind) -> None:
-    """Each folder's run settings say what its toy_i2v_student.json's command asked for, and the
-    record's 72-case table is in it."""
+    """Each folder's run settings say what its toy_i2v_student.json's command asked for (every flag of
+    its recipe, the dmd student's start being the shipped stage 1), and the record's 72-case table is
+    in it."""
     folder = ASSETS[kind]
     record = json.loads((folder / RECORD_FILE).read_text())
-    recipe = RECIPES[kind]
-    for key in ("num_steps", "student_steps", "guidance_scale", "guidance_scale_2", "batch_size"):
-        assert f"--{key} {recipe[key]} " in record["command"] + " ", key
+    wanted = recipe(kind, TEACHER_REF)
+    for key, value in wanted.items():
+        assert f"--{key} {value} " in record["command"] + " ", key
     settings = read_run_settings(folder / "run_settings.json")
-    assert settings.method == "dmd" and settings.trained_steps == recipe["num_steps"]
-    assert (settings.teacher_guidance_scale, settings.teacher_guidance_scale_2) == (3.0, 1.5)
+    assert settings.method == wanted["method"] and settings.trained_steps == int(wanted["num_steps"])
+    guidance = (float(wanted["guidance_scale"]), float(wanted["guidance_scale_2"]))
+    assert (settings.teacher_guidance_scale, settings.teacher_guidance_scale_2) == guidance
     assert settings.num_frames == CLIP_FRAMES and settings.teacher_path == TEACHER_REF
     evaluation = record["evaluation"]
     assert evaluation["count"] >= 72 and evaluation["seed"] == HELD_OUT_SEED
@@ -136,8 +132,8 @@ def test_the_data_writer_pairs_held_out_free_images_with_motion_and_clip_prompts
 
 
 def test_the_data_writers_file_trains_an_i2v_dmd_student_that_the_stock_pipeline_loads(tmp_path) -> None:
-    """The dmd recipe (a few steps of it) on the toy I2V teacher from the writer's file; the exported
-    pipeline/ samples in stock WanImageToVideoPipeline exactly as the evaluation samples the student."""
+    """The dmd recipe (a few steps of it, from the shipped stage 1 with the teacher's low-noise expert as
+    its critic) on the toy I2V teacher from the writer's file; the exported pipeline/ samples in stock WanImageToVideoPipeline exactly as the evaluation samples the student."""
     from diffusers import WanImageToVideoPipeline
 
     from distill.toy.shipped import write_toy_teacher
@@ -145,13 +141,12 @@ def test_the_data_writers_file_trains_an_i2v_dmd_student_that_the_stock_pipeline
     teacher = write_toy_teacher(tmp_path / "teacher", source=I2V_ASSETS)
     data = write_i2v_data(tmp_path / "data", count=8, seed=5)
     quick = ("num_steps", "batch_size", "log_every", "critic_updates", "teacher_sample_steps")
-    recipe = {k: v for k, v in RECIPES["dmd"].items() if k not in quick}
-    recipe["student_config"] = str(I2V_ASSETS.parents[1] / recipe["student_config"])
+    settings = {k: v for k, v in recipe("dmd", teacher, absolute=True).items() if k not in quick}
     args = train_args(
         teacher,
         tmp_path / "run",
         tmp_path / "cache",
-        **recipe,
+        **settings,
         data_path=data,
         max_prompts=None,
         num_steps=3,
@@ -182,10 +177,11 @@ def test_make_demo_i2v_trains_what_the_shipped_students_record() -> None:
         "lora" if "--student_lora_rank" in c else "dmd": " ".join(c.replace("\\", " ").split())
         for c in commands
     }
-    assert sorted(by_kind) == sorted(RECIPES)
-    for kind, recipe in RECIPES.items():
-        flags = {f"--{key}" for key in recipe if key != "seed"}  # the demo's SEED: 0 unless given
-        for key, value in recipe.items():
+    assert sorted(by_kind) == sorted(DEMO_KINDS)
+    for kind in DEMO_KINDS:
+        wanted = recipe(kind, "$(I2V_TEACHER)")
+        flags = {f"--{key}" for key in wanted if key != "seed"}  # the demo's SEED: 0 unless given
+        for key, value in wanted.items():
             if key != "seed":
                 assert f"--{key} {value} " in by_kind[kind] + " ", (kind, key)
         given = {word for word in by_kind[kind].split() if word.startswith("--")}

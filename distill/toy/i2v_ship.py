@@ -1,13 +1,17 @@
 """The shipped 4-step students of the toy image-to-video teacher, and the commands that make them.
 
+    python -m distill.toy.i2v_ship --retrain stage1  # assets/toy_i2v_student_stage1/ (the dmd student's start)
     python -m distill.toy.i2v_ship --retrain dmd     # assets/toy_i2v_student_dmd/  (a small dmd student)
     python -m distill.toy.i2v_ship --retrain lora    # assets/toy_i2v_student_lora/ (a LoRA of the experts)
 
 Each writes the training pairs (`i2v_data`, DATA), trains through the trainer with the flags of
-`RECIPES` (what `command()` prints, and what `make demo-i2v` runs), scores the student on 72 held-out
-cases against the teacher on the same images, prompts and noise (`i2v_students`), and ships the
-exported folder with RECORD_FILE: the exact command, the measured rows and the issue's bars. The
+`RECIPES` (what `command()` prints; `make demo-i2v` runs the DEMO_KINDS), scores the student on 72
+held-out cases against the teacher on the same images, prompts and noise (`i2v_students`), and ships
+the exported folder with RECORD_FILE: the exact command, the measured rows and the issue's bars. The
 tests score the shipped students instead of training them (tests/test_toy_i2v_students.py).
+
+The dmd student starts from the shipped stage 1 (as the text-to-video toy students do): retrain
+`stage1` before `dmd` to rebuild both.
 
 The shipped files name the teacher as TEACHER_REF (where `make demo-i2v` writes it), not the folder
 they were trained from, so they carry no machine's paths.
@@ -30,46 +34,75 @@ REPO = Path(__file__).resolve().parents[2]
 TEACHER_REF = "outputs/toy-wan-i2v"
 RECORD_FILE = "toy_i2v_student.json"
 ASSETS = {
+    "stage1": REPO / "assets" / "toy_i2v_student_stage1",
     "dmd": REPO / "assets" / "toy_i2v_student_dmd",
     "lora": REPO / "assets" / "toy_i2v_student_lora",
 }
-EXPORTED = {"dmd": "student", "lora": "lora"}
-"""The folder of the run that is shipped: the dmd student, or the LoRA adapters."""
+EXPORTED = {"stage1": "student_ema", "dmd": "student", "lora": "lora"}
+"""The folder of the run that is shipped: the student (stage 1: its EMA), or the LoRA adapters."""
+DEMO_KINDS = ("dmd", "lora")
+"""What `make demo-i2v` trains; the dmd student starts from the shipped stage 1."""
 DATA = {"count": 512, "seed": 1}
 """i2v_data's pairs: 3 of 4 prompts name only the motion, as the teacher trained."""
 EVAL_CASES = 72
 
-# What both runs share: the teacher's own clip guidance (3 / 1.5, from its toy_world.json) as the
-# real score, 32x32 clips of 9 frames, 4 student steps.
-COMMON: dict[str, Any] = {
-    "method": "dmd",
+# What every run shares: 32x32 clips of 9 frames, batch 16, seed 0.
+SHAPE: dict[str, Any] = {
     "height": 32,
     "width": 32,
     "num_frames": 9,
-    "guidance_scale": 3,
-    "guidance_scale_2": 1.5,
     "batch_size": 16,
-    "student_steps": 4,
-    "critic_updates": 5,
-    "log_every": 50,
     "checkpoint_every": 0,
     "seed": 0,
 }
+# The dmd runs: the teacher's own clip guidance (3 / 1.5, from its toy_world.json) as the real score,
+# 4 student steps.
+COMMON: dict[str, Any] = {
+    "method": "dmd",
+    **SHAPE,
+    "guidance_scale": 3,
+    "guidance_scale_2": 1.5,
+    "student_steps": 4,
+    "critic_updates": 5,
+    "log_every": 50,
+}
+TEACHER = "{teacher}"
+"""Stands for the teacher's folder in a recipe's values (recipe() fills it in)."""
+STUDENT_CONFIG = "config/student_toy_5layer_i2v.json"
+
 RECIPES: dict[str, dict[str, Any]] = {
-    # The teacher's high-noise expert is where a clip's layout and motion are decided; a student of
-    # its shape that starts there keeps the teacher's motion (the clip demo, docs/toy-world.md); from
-    # the low-noise expert it lost it (motion ratio 0.80, static 0.19). The regression term (its first
-    # step onto the teacher's own samples, 4 teacher steps: the teacher is as good at 4 as at 20) lifted
-    # adherence by about 0.05 for 45 s of teacher sampling (docs/toy-world.md, image to video).
+    # Stage 1: the low-noise expert's shape (5 layers of the teacher's 3 + 5), started as a copy of
+    # it, taught the teacher's unguided velocity at every noise level on its own 20-step samples. The
+    # student's shape and start decide the result (docs/toy-world.md, image to video): 3 layers from
+    # the high-noise expert reached 0.58 adherence at 4 steps after the same 1,500 steps, these 5
+    # layers 0.74 (the teacher at 20 steps: 0.74). dmd then adds the guidance back through its real score.
+    "stage1": {
+        "method": "velocity",
+        **SHAPE,
+        "student_config": STUDENT_CONFIG,
+        "student_init": "teacher",
+        "student_init_expert": "low",
+        "guidance_scale": 1,
+        "guidance_scale_2": 1,
+        "teacher_sample_steps": 20,
+        "num_steps": 1500,
+        "lr": "1e-3",
+        "lr_warmup_steps": 100,
+        "ema_decay": 0.99,
+        "log_every": 100,
+    },
+    # From the shipped stage 1, with a critic started as the teacher's low-noise expert (the same
+    # shape): 300 steps at a gentle 1e-4 (3e-4 pulled the stage-1 student's 4-step adherence down to
+    # 0.65), plus the regression onto the teacher's own 4-step samples.
     "dmd": COMMON
     | {
-        "student_config": "config/student_toy_3layer_i2v.json",
-        "student_init": "teacher",
-        "student_init_expert": "high",
+        "student_config": STUDENT_CONFIG,
+        "student_init": "assets/toy_i2v_student_stage1",
+        "critic_init": f"{TEACHER}/transformer_2",
         "teacher_sample_steps": 4,
         "regression_weight": 0.25,
         "num_steps": 300,
-        "lr": "3e-4",
+        "lr": "1e-4",
         "critic_lr": "3e-4",
         "lr_scheduler": "cosine",
     },
@@ -77,10 +110,28 @@ RECIPES: dict[str, dict[str, Any]] = {
     # latents only feed the run's drift and motion metrics (16 reference prompts).
     "lora": COMMON | {"student_lora_rank": 16, "teacher_sample_steps": 20, "num_steps": 300},
 }
+REPO_PATHS = ("student_config", "student_init")
+"""Recipe values that name a file of this repository (relative to REPO)."""
+
+
+def recipe(kind: str, teacher: str | Path, absolute: bool = False) -> dict[str, Any]:
+    """RECIPES[kind] for `teacher`; with `absolute`, the repository's files as absolute paths (a run
+    started outside the repository)."""
+    settings = {key: str(value).replace(TEACHER, str(teacher)) for key, value in RECIPES[kind].items()}
+    if absolute:
+        for key in REPO_PATHS:
+            if key in settings and (REPO / settings[key]).exists():
+                settings[key] = str(REPO / settings[key])
+    return settings
 
 
 def recipe_args(
-    kind: str, teacher: str | Path, data: str | Path, output_dir: str | Path, cache_dir: str | Path
+    kind: str,
+    teacher: str | Path,
+    data: str | Path,
+    output_dir: str | Path,
+    cache_dir: str | Path,
+    absolute: bool = False,
 ) -> list[str]:
     """train_distillation.py's arguments of the `kind` run (RECIPES) on `teacher` and `data`."""
     settings = {
@@ -88,7 +139,7 @@ def recipe_args(
         "data_path": data,
         "output_dir": output_dir,
         "cache_dir": cache_dir,
-        **RECIPES[kind],
+        **recipe(kind, teacher, absolute),
     }
     return [item for key, value in settings.items() for item in (f"--{key}", str(value))]
 
@@ -125,16 +176,24 @@ def retrain(kind: str, work: Path, dest: Path | None = None, count: int = EVAL_C
     """Write the data, train the `kind` student, score it on `count` held-out cases, ship it."""
     from distill.config.cli import parse_config
     from distill.toy.i2v_data import write_i2v_data
-    from distill.toy.i2v_students import evaluate_students, table
     from distill.toy.shipped import I2V_ASSETS, write_toy_teacher
     from distill.train.trainer import Distiller
 
     teacher = write_toy_teacher(work / "teacher", overwrite=True, source=I2V_ASSETS)
     data = write_i2v_data(work / "data", **DATA)
     run, cache = work / kind, work / f"{kind}-cache"
-    result = Distiller(parse_config(recipe_args(kind, teacher, data, run, cache))).run()
-    exported = run / EXPORTED[kind]
-    assert result.student_dir is not None and Path(result.student_dir).resolve() == exported.resolve()
+    result = Distiller(parse_config(recipe_args(kind, teacher, data, run, cache, absolute=True))).run()
+    assert result.student_dir is not None
+    return score_and_ship(kind, teacher, run / EXPORTED[kind], dest, count)
+
+
+def score_and_ship(
+    kind: str, teacher: Path, exported: Path, dest: Path | None = None, count: int = EVAL_CASES
+) -> Path:
+    """Score the `kind` run's `exported` folder against `teacher` on `count` held-out cases and ship it
+    with its record (the recipe's command as a user types it, and the measured rows)."""
+    from distill.toy.i2v_students import evaluate_students, table
+
     report, _, _ = evaluate_students(teacher, {kind: exported}, count=count)
     refs = {
         "teacher": TEACHER_REF,
