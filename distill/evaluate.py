@@ -261,7 +261,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     writable_folder(args.output_dir, "--output_dir", create=False)
     # "" changes nothing; a --guidance_scale_2 given is judged once the teacher's kind is known
     given = given_where(["negative_prompt"] if args.negative_prompt else [])
-    second_given = args.guidance_scale_2 is not None
+    second_given = args.guidance_scale_2 not in (None, 1.0)  # 1: no guidance, never refused
     found = resolve_defaults(args)
     check_guidance(("--guidance_scale", args.guidance_scale), ("--guidance_scale_2", args.guidance_scale_2))
     check_dependents(args, given, EVALUATE_DEPENDENTS)

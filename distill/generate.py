@@ -220,6 +220,7 @@ def generate_dependents(args: argparse.Namespace, two_experts: bool) -> tuple[De
             "it is the guidance of the teacher's low-noise expert (transformer_2); a distilled student is "
             "one model, sampled with --guidance alone",
             "use --guidance for this student",
+            off={"guidance_2": 1.0},  # no guidance: what a one-model student samples with anyway
         ),
         Dependent(
             ("negative_prompt",),
@@ -234,10 +235,10 @@ def generate_dependents(args: argparse.Namespace, two_experts: bool) -> tuple[De
 
 def one_transformer_guidance(args: argparse.Namespace, info: TeacherInfo, given: dict[str, str]) -> None:
     """A teacher with one transformer (TI2V-5B) has one guidance: a --guidance_2 given for it is
-    refused (it would be ignored); the run's recorded second scale is dropped."""
+    refused (it would be ignored) unless it is 1, no guidance; the run's recorded second scale is dropped."""
     if info.kind.experts != 1:
         return
-    if "guidance_2" in given:
+    if "guidance_2" in given and args.guidance_2 != 1.0:
         raise DistillError(
             f"--guidance_2 {args.guidance_2} sets the guidance of a low-noise expert, but the teacher "
             f"{info.path} is {info.kind.model}, which has one transformer",

@@ -2,11 +2,61 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+# Settings of a user's shell that change what the libraries or the trainer do: the hub offline or
+# elsewhere, a token or a cache of theirs, wandb switched off, a launcher's ranks, a fault to inject.
+# The suite must give the same result in any shell (`HF_HUB_OFFLINE=1 make test` was red: the tests
+# that stand in for the hub were told it was offline), so they are cleared here, before any test
+# module imports huggingface_hub or wandb (both read them at import); the runs the tests start inherit
+# the cleaned environment, and a test that needs one sets it itself (monkeypatch.setenv).
+# tests/test_environment.py runs the hub tests in a shell that sets every one of them.
+USER_SETTINGS = (
+    "HF_HUB_OFFLINE",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "HF_TOKEN_PATH",
+    "HF_ENDPOINT",
+    "TRANSFORMERS_OFFLINE",
+    "TRANSFORMERS_CACHE",
+    "HF_DATASETS_OFFLINE",
+    "WANDB_MODE",
+    "WANDB_DISABLED",
+    "WANDB_API_KEY",
+    "WANDB_PROJECT",
+    "WANDB_ENTITY",
+    "WANDB_DIR",
+    "WANDB_BASE_URL",
+    "DISTILL_INJECT_FAULT",
+    "DISTILL_DEBUG",
+    "WAN_DISTILL_CONVERT_DIR",
+    "DDP_BACKEND",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_ERROR_FILE",
+)
+for _name in USER_SETTINGS:
+    os.environ.pop(_name, None)
+# The user's own Hugging Face folder (a saved login token, their hub cache) is not the suite's either:
+# an empty one of this process's, removed when it ends.
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="wan-distill-test-hf-home-")
+atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
 
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers transformer/config.json (both experts share it): the real sizes for
 # memory plans, without weights.

@@ -210,3 +210,20 @@ def test_gpu_hours_are_the_flops_over_an_h100_at_the_stated_mfu(tiny_teacher, tm
         with pytest.raises(DistillError) as refused:
             parse_config([*base, "--mfu", value])
         assert "--mfu" in refused.value.title
+
+
+@pytest.mark.parametrize(
+    "stretch, timeout, words",
+    [
+        (0.004, 10, "well under a second (one forward); --stall_timeout 10 min is far above it"),
+        (12.0, 10, "12.0 s (one forward); --stall_timeout 10 min = 50 x that"),
+        (200.0, 10, "200.0 s (one forward); --stall_timeout 10 min is less than"),
+        (0.004, 0, "well under a second (one forward); --stall_timeout off"),
+    ],
+)
+def test_the_stall_timeout_is_put_against_the_longest_stretch_in_words(stretch, timeout, words):
+    from distill.train.cost import stall_verdict
+
+    verdict = stall_verdict(stretch, "one forward", timeout)
+    assert verdict.startswith(words), verdict
+    assert "x that" not in verdict or stretch >= 1  # no ratio over a stretch that rounds to nothing

@@ -86,6 +86,88 @@ def test_a_flag_that_would_be_ignored_is_refused_naming_what_enables_it(
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
+# Every setting of a trainer rule (distill.config.flag_rules.TRAIN_DEPENDENTS) with a value that
+# would change something if its rule were active: given without what enables it, refused.
+CHANGING_VALUES = {
+    "student_init_expert": "high",
+    "student_lora_alpha": 8.0,
+    "critic_lora_rank": 4,
+    "student_lora_init": "some/lora",
+    "expert_phase": "high",
+    "student_lora_targets": "to_q",
+    "student_steps": 2,
+    "student_shift": 3.0,
+    "student_shift_terminal": 0.25,
+    "critic_config": str(REPO / "config" / "student_tiny.json"),
+    "critic_init": "teacher",
+    "critic_updates": 3,
+    "critic_lr": 1e-4,
+    "critic_betas": "0.9,0.99",
+    "generator_betas": "0.9,0.99",
+    "dmd_inputs": "data",
+    "regression_weight": 0.25,
+    "reference_prompts": 8,
+    "eval_prompts": str(PROMPTS),
+    "eval_num_buckets": 3,
+    "eval_samples_per_bucket": 2,
+    "sample_interval": 10,
+    "sample_prompts": str(PROMPTS),
+    "sample_dir": "samples",
+    "wandb_mode": "offline",
+    "wandb_run_name": "x",
+    "negative_prompt": "blurry",
+}
+
+
+def rule_settings() -> list[str]:
+    from distill.config.flag_rules import TRAIN_DEPENDENTS
+
+    return [name for rule in TRAIN_DEPENDENTS for name in rule.names]
+
+
+def test_every_trainer_rule_setting_is_walked_below():
+    assert sorted(rule_settings()) == sorted(CHANGING_VALUES)
+
+
+@pytest.mark.parametrize("name", sorted(CHANGING_VALUES))
+def test_a_rule_refuses_a_value_that_would_be_ignored_and_never_the_default_or_off_value(
+    tiny_teacher, tmp_path, name
+):
+    """What scripts do (pass a flag at its default or at its off value, e.g. `--wandb_mode disabled`)
+    is accepted without a word; a value that would do something, without what enables it, is refused.
+    No guidance (1 / 1): the negative prompt's rule is inactive too."""
+    from distill.config.flag_rules import TRAIN_DEPENDENTS
+    from distill.config.settings import field_defaults
+
+    base = train_args(
+        tiny_teacher, tmp_path / "out", tmp_path / "cache", guidance_scale=1, guidance_scale_2=1
+    )
+    rule = next(rule for rule in TRAIN_DEPENDENTS if name in rule.names)
+    quiet = [v for v in (field_defaults()[name], rule.off.get(name)) if v is not None]
+    for value in quiet:
+        cfg = parse_config([*base, f"--{name}", str(value)])
+        assert getattr(cfg, name) == value
+    with pytest.raises(DistillError, match=f"--{name} needs"):
+        parse_config([*base, f"--{name}", str(CHANGING_VALUES[name])])
+    if name == "wandb_mode":  # the off value that motivated this: switching wandb off is never refused
+        assert "disabled" in quiet
+
+
+def test_wandb_mode_disabled_trains_without_a_word(tiny_teacher, tmp_path, capsys):
+    code = main(
+        train_args(tiny_teacher, tmp_path / "out", tmp_path / "cache", num_steps=1, wandb_mode="disabled")
+    )
+    captured = capsys.readouterr()
+    assert code == 0 and "--wandb" not in captured.err, captured.err[-2000:]
+
+
+def test_a_default_given_in_a_config_file_is_accepted(tiny_teacher, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("critic_updates: 5\nwandb_mode: disabled\nregression_weight: 0\n")
+    cfg = parse_config(train_args(tiny_teacher, tmp_path / "out", tmp_path / "cache", config=config))
+    assert (cfg.critic_updates, cfg.wandb_mode, cfg.regression_weight) == (5, "disabled", 0.0)
+
+
 def test_a_dependent_setting_from_a_config_file_is_named_in_that_file(tiny_teacher, tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("critic_updates: 3\n")
@@ -122,6 +204,10 @@ def test_generate_refuses_guidance_2_and_a_negative_prompt_that_a_one_model_stud
     assert "--guidance_2 needs --teacher_only or a LoRA student" in err and "use --guidance" in err
     assert generate.main(["--student", str(student), "--negative_prompt", "blurry", *common]) == 3
     assert "--negative_prompt needs --guidance above 1" in capsys.readouterr().err
+    # At 1 (no guidance) --guidance_2 asks for nothing: not refused (the render then fails on the
+    # folder's missing weights, past the flag checks).
+    generate.main(["--student", str(student), "--guidance_2", "1", *common])
+    assert "--guidance_2 needs" not in capsys.readouterr().err
     assert not (tmp_path / "a.png").exists()
 
 

@@ -95,3 +95,21 @@ def test_noise_is_seeded_per_global_sample_so_ranks_draw_only_their_rows():
     assert torch.equal(resumed.noise((4, 2, 1, 3, 3)), one_process[2])
     other_seed = BatchRandomness(torch.Generator().manual_seed(0), 8, 0, 1, torch.device("cpu"))
     assert not torch.equal(other_seed.noise((4, 2, 1, 3, 3)), one_process[0])
+
+
+def test_a_runs_noise_is_the_same_whatever_its_device():
+    """Drawn on the CPU, then moved: a GPU run draws the numbers a CPU run of the same seed draws, so
+    it can be replayed on a CPU. (The meta device stands in for a GPU here: no device generator is
+    made for it, which a CUDA generator's other numbers would need.)"""
+    from distill.train.methods.base import BatchRandomness
+
+    shape = (2, 16, 1, 4, 4)
+    draws = {}
+    for device in ("cpu", "meta"):
+        rng = BatchRandomness(torch.Generator().manual_seed(0), 7, 0, 1, torch.device(device))
+        draws[device] = rng.noise_on_cpu(shape)
+        moved = rng.noise(shape)
+        assert moved.device.type == device and moved.shape == shape
+    assert torch.equal(draws["cpu"], draws["meta"])
+    replay = BatchRandomness(torch.Generator().manual_seed(0), 7, 0, 1, torch.device("cpu"))
+    assert torch.equal(replay.noise(shape), draws["cpu"])  # what the CPU run trains on

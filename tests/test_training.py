@@ -118,6 +118,32 @@ def test_interrupted_then_resumed_run_equals_uninterrupted_bitwise(
     assert [loss(x) for x in straight_log[3:]] == [loss(x) for x in resumed_log[-5:]]
 
 
+def test_a_checkpoint_from_before_cpu_noise_resumes_with_a_warning_if_it_was_written_on_cuda(
+    tiny_teacher, shared_cache, tmp_path, caplog
+):
+    """Until noise was drawn on the CPU, a GPU run drew it on the GPU: its checkpoint resumes, and the
+    log says that the noise from there on differs from what that run would have drawn. A checkpoint of
+    the CPU stream (or an old one written on a CPU machine, whose stream is unchanged) says nothing."""
+    first = run(train_args(tiny_teacher, tmp_path / "out", shared_cache, num_steps=2, checkpoint_every=2))
+    state_file = first.output_dir / "checkpoints" / "step_00000002" / "state.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert state["noise_stream"] == "cpu-per-sample"
+    del state["noise_stream"]
+    state["rng"]["cuda"] = []  # written on a machine with CUDA (restored only where CUDA is)
+    torch.save(state, state_file)
+    with caplog.at_level("WARNING"):
+        resumed = run(train_args(tiny_teacher, tmp_path / "out", shared_cache, num_steps=3))
+    assert resumed.resumed_from.name == "step_00000002" and resumed.steps == 3
+    assert "noise from step 3 on differs" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        again = run(
+            train_args(tiny_teacher, tmp_path / "again", shared_cache, num_steps=2, checkpoint_every=2)
+        )
+        run(train_args(tiny_teacher, again.output_dir, shared_cache, num_steps=3))
+    assert "noise from step" not in caplog.text
+
+
 def test_checkpoints_are_pruned_to_keep_last(tiny_teacher, shared_cache, tmp_path):
     result = run(
         train_args(tiny_teacher, tmp_path / "out", shared_cache, num_steps=7, checkpoint_every=2, keep_last=2)

@@ -15,7 +15,7 @@ from typing import Any
 
 from distill.config.file_values import blame_the_file, check_value, read_mapping, rename_aliases
 from distill.config.flag_rules import TRAIN_DEPENDENTS, check_dependents, given_where
-from distill.config.settings import TrainConfig, config_error, field_types
+from distill.config.settings import TrainConfig, config_error, field_defaults, field_types
 from distill.ops.command import PathAction
 from distill.ops.errors import DistillError, Stage
 from distill.ops.paths import Kind, PathFlag, check_paths
@@ -250,7 +250,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         if from_file:
             raise blame_the_file(error, from_file, given.config) from None
         raise
-    check_dependents(cfg, where, TRAIN_DEPENDENTS)
+    check_dependents(cfg, where, TRAIN_DEPENDENTS, field_defaults())
     return cfg
 
 

@@ -16,7 +16,7 @@ Two kinds, checked the same way by the trainer and by the command-line tools:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from distill.ops.errors import DistillError, Stage
@@ -25,13 +25,19 @@ from distill.ops.errors import DistillError, Stage
 @dataclass(frozen=True)
 class Dependent:
     """Settings `names` act only while `active(settings)` holds; `needs` says what turns that on,
-    `enable` how to write it (the fix offered beside dropping the flag)."""
+    `enable` how to write it (the fix offered beside dropping the flag). `off` maps a setting to the
+    value that switches what it does off (given with the rule inactive, it asks for nothing)."""
 
     names: tuple[str, ...]
     active: Callable[[Any], bool]
     needs: str
     why: str
     enable: str
+    off: Mapping[str, Any] = field(default_factory=dict)
+
+    def changes_nothing(self, name: str, value: Any, default: Any) -> bool:
+        """A value that asks for nothing this rule could ignore: the setting's default or its off value."""
+        return value == default or (name in self.off and value == self.off[name])
 
 
 # The trainer's settings (TrainConfig field names) that act only with another setting.
@@ -113,6 +119,7 @@ TRAIN_DEPENDENTS = (
         "--wandb_project",
         "nothing is sent to wandb without a project",
         "add --wandb_project NAME",
+        off={"wandb_mode": "disabled"},
     ),
     Dependent(
         ("negative_prompt",),
@@ -134,14 +141,24 @@ def given_where(
 
 
 def check_dependents(
-    settings: Any, given: Mapping[str, str], rules: Iterable[Dependent], stage: Stage = Stage.CONFIG
+    settings: Any,
+    given: Mapping[str, str],
+    rules: Iterable[Dependent],
+    defaults: Mapping[str, Any] | None = None,
+    stage: Stage = Stage.CONFIG,
 ) -> None:
-    """Refuse the first setting of `given` (name -> how the user wrote it) whose rule is inactive."""
+    """Refuse the first setting of `given` (name -> how the user wrote it) whose rule is inactive,
+    unless its value is its default (`defaults`: name -> the value it takes when left out) or the
+    rule's off value."""
+    defaults = defaults or {}
+    unset = object()  # no default known: every value given counts
     for rule in rules:
         if rule.active(settings):
             continue
         for name in rule.names:
-            if name in given:
+            if name in given and not rule.changes_nothing(
+                name, getattr(settings, name), defaults.get(name, unset)
+            ):
                 raise DistillError(
                     f"{given[name]} needs {rule.needs}: without it the setting would be ignored",
                     f"{rule.why}.",

@@ -681,3 +681,8 @@ def config_error(name: str, problem: str, fix: str) -> DistillError:
 
 def field_types() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
+
+
+def field_defaults() -> dict[str, Any]:
+    """Each setting's value when left out (a flag given at it changes nothing)."""
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}

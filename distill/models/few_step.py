@@ -7,12 +7,15 @@ it to the next sigma with fresh noise. The grid is what `set_timesteps(K)` makes
 `num_inference_steps=K, guidance_scale=1.0` runs exactly the rollout the student was trained on.
 
 WanPipeline re-noises from the global torch RNG (it calls `scheduler.step` without a generator).
-`sample_few_step(..., seed=s)` draws the starting noise and every re-noising from one generator
-seeded with s, which is what the stock pipeline draws after `torch.manual_seed(s)` when called
-without a generator:
+`sample_few_step(..., seed=s)` draws the starting noise and every re-noising from one CPU generator
+seeded with s and moves them to the student's device, so a seed gives the same sample on any device.
+On the CPU that is what the stock pipeline draws after `torch.manual_seed(s)` when called without a
+generator:
 
     torch.manual_seed(s)
     pipe(prompt_embeds=..., num_inference_steps=K, guidance_scale=1.0, output_type="latent")
+
+(on a GPU the stock pipeline draws from the GPU's own generator, whose numbers differ).
 """
 
 from __future__ import annotations
@@ -145,8 +148,9 @@ def sample_few_step(
 ) -> torch.Tensor:
     """A K-step sample (B, C, F, H, W) of the student for `prompt_embeds` (B, L, D), float32.
 
-    Equals stock WanPipeline(transformer=student, scheduler=<the exported one>) called with
-    num_inference_steps=steps, guidance_scale=1.0 and no generator after torch.manual_seed(seed).
+    On the CPU, equals stock WanPipeline(transformer=student, scheduler=<the exported one>) called with
+    num_inference_steps=steps, guidance_scale=1.0 and no generator after torch.manual_seed(seed); on
+    any device, the same sample as on the CPU (the noise is drawn on the CPU).
     `noise` (B, C, F, H, W) replaces the starting noise (e.g. the teacher's, drawn on the CPU, to
     compare both from the same start); the re-noising stream is the same either way. `condition`
     (one row per prompt) is what the teacher's `kind` adds to every forward (I2V: the image; TI2V
@@ -154,10 +158,10 @@ def sample_few_step(
     per token, as WanImageToVideoPipeline with expand_timesteps gives them).
     """
     device = next(student.parameters()).device
-    generator = torch.Generator(device).manual_seed(seed)
+    generator = torch.Generator("cpu").manual_seed(seed)
 
     def draw(shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+        return torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
 
     timesteps, sigmas = student_grid(scheduler, steps)
     cond = prompt_embeds.to(device, getattr(student, "dtype", torch.float32))

@@ -421,19 +421,22 @@ def cost_lines(cost: RunCost, cfg: TrainConfig, counts: RunCounts) -> list[str]:
         + ("s" if cost.world_size > 1 else "")
         + ")",
     ]
-    stall = cfg.stall_timeout * 60
-    verdict = (
-        "off"
-        if not stall
-        else f"{cfg.stall_timeout:g} min = {stall / cost.beat_free_seconds:.0f} x that"
-        + (
-            ""
-            if stall >= STALL_MARGIN * cost.beat_free_seconds
-            else f" (less than {STALL_MARGIN} x: raise it)"
-        )
-    )
-    lines.append(
-        f"  longest stretch between watchdog beats: {cost.beat_free_seconds:.1f} s ({cost.beat_free_what}); "
-        f"--stall_timeout {verdict}"
-    )
+    verdict = stall_verdict(cost.beat_free_seconds, cost.beat_free_what, cfg.stall_timeout)
+    lines.append(f"  longest stretch between watchdog beats: {verdict}")
     return lines
+
+
+def stall_verdict(stretch: float, what: str, stall_timeout: float) -> str:
+    """The longest stretch without a watchdog beat (seconds; `what` runs in it) and what --stall_timeout
+    (minutes) is to it, in words. A ratio over a stretch that rounds to 0.0 s is a number nobody can use (a tiny model's
+    step: "48118750 x that"): under a second it says so instead."""
+    stall = stall_timeout * 60
+    short = stretch < 1.0
+    what = f"well under a second ({what})" if short else f"{stretch:.1f} s ({what})"
+    if not stall:
+        return f"{what}; --stall_timeout off"
+    if stall < STALL_MARGIN * stretch:
+        return f"{what}; --stall_timeout {stall_timeout:g} min is less than {STALL_MARGIN} x that: raise it"
+    if short:
+        return f"{what}; --stall_timeout {stall_timeout:g} min is far above it"
+    return f"{what}; --stall_timeout {stall_timeout:g} min = {stall / stretch:.0f} x that"

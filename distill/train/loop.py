@@ -187,6 +187,7 @@ class TrainingLoop:
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "timestep_generator": self.timestep_generator.get_state(),
             "noise_draws": self.randomness.noise_draws,
+            "noise_stream": BatchRandomness.STREAM,
             "rng": ckpt.rng_state(),
             # Models besides the student (their weights go to <name>.safetensors), and the method's own.
             "models": {
@@ -314,6 +315,13 @@ class TrainingLoop:
         holds a generator state instead: its run continues exactly in everything but the noise,
         which starts on draws no fresh run reaches."""
         if "noise_draws" in state:
+            if "noise_stream" not in state and "cuda" in state["rng"] and self.ctx.is_main:
+                logger.warning(
+                    "this checkpoint was written on a CUDA machine before noise was drawn on the CPU: if its run "
+                    "trained on the GPU, the noise from step %d on differs from what it would have drawn there "
+                    "(training continues; a seed now gives the same noise on every device)",
+                    step + 1,
+                )
             return int(state["noise_draws"])
         if self.ctx.is_main:
             logger.warning(
