@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed-requirements
 
 DEMO_TEACHER := outputs/toy-wan
 DEMO_OUT := outputs/demo
+# When this make started: `make test` prints the time since, set-up included.
+MAKE_START := $(shell date +%s)
 # `make demo SEED=1` trains with another seed (noise, timesteps, data order); the evaluation's noise
 # stays the same, so runs compare on the same samples.
 SEED ?= 0
@@ -14,7 +16,7 @@ SEED ?= 0
 # runs (the teacher-latent cache took 21 s against 3 min beside another job).
 DEMO_ENV := OMP_NUM_THREADS=1
 
-.PHONY: demo demo-clips demo-i2v test gpu-check lint format clean toy-stage1 toy-stage1-clips
+.PHONY: demo demo-clips demo-i2v test proofs gpu-check lint format clean toy-stage1 toy-stage1-clips
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -127,7 +129,17 @@ toy-stage1-clips: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests test_error_handling.py
+	@OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
+		tests test_error_handling.py; status=$$?; \
+		echo "make test: $$(( $$(date +%s) - $(MAKE_START) )) s in all, set-up included"; exit $$status
+
+# The long proofs, not in CI: every shipped toy student (assets/toy_student_*, assets/toy_i2v_student_*)
+# trained again from scratch with its recorded command and held to its full bars; the stage-1 students
+# must rebuild what is shipped (distill/toy/proofs.py; about 75 min on 2 CPU cores; `--ship` replaces
+# the assets). CI scores the shipped students and trains each method briefly instead. Run it before
+# landing a change to a method, a sampler or the toy world.
+proofs: $(STAMP)
+	$(DEMO_ENV) $(PY) -m distill.toy.proofs
 
 # On a CUDA machine, what CI cannot run: the gpu-marked tests, the two-rank sharded LoRA run on NCCL
 # (two GPUs or more), distill.bench at the 1.3B preset eager and compiled, and the teacher streamed from

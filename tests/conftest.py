@@ -93,14 +93,13 @@ SMALL_EXPERT = dict(
 )
 
 
-# The modules that train toy students for minutes (`make test --durations`: 2-4 min each on one
-# core), longest first: they start before everything else.
+# The modules that take longest on one worker (`make test --durations`), longest first: they start
+# before everything else.
 HEAVIEST_MODULES = (
-    "test_toy_clip_dmd.py",
-    "test_toy_distill.py",
-    "test_toy_lora.py",
-    "test_toy_clip_lora.py",
-    "test_toy_dmd.py",
+    "test_stress.py",
+    "test_toy_methods_clips.py",
+    "test_toy_methods_pictures.py",
+    "test_toy_shipped_students.py",
 )
 
 
@@ -219,107 +218,6 @@ def train_args(teacher: Path, output_dir: Path, cache_dir: Path, **overrides: ob
     return args
 
 
-def clip_prompt_file(folder: Path, count: int = 432) -> Path:
-    """A prompt file of `count` clip prompts in the scorer's shuffled order (every motion, every
-    attribute; the scored prompts are its first ones): a toy clip run in the suite trains on these
-    instead of all 1,944, whose text embeddings and teacher latents would cost a minute more."""
-    from distill.toy.evaluation import eval_prompts
-
-    path = folder / "clip_prompts.txt"
-    path.write_text("\n".join(eval_prompts(count, clips=True)) + "\n")
-    return path
-
-
-@pytest.fixture(scope="session")
-def run_wide_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder every pytest-xdist worker of this run shares (each worker's temporary folders lie
-    inside it): for results that cost a minute and do not depend on which test asks."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    folder = root / "shared-results"
-    folder.mkdir(exist_ok=True)
-    return folder
-
-
-@pytest.fixture(scope="session")
-def toy_teacher_clip_scores(toy_teacher: Path, run_wide_folder: Path) -> Callable[..., dict]:
-    """`scores(prompts, steps=None)`: the toy teacher's clip scores on `prompts` at `steps` (None: its
-    full step count), with its own guidance and the scorer's fixed noise; computed once per suite run (under a lock, whichever
-    worker asks first) and read back by every other test that asks for the same ones. Every worker's
-    toy teacher is a copy of the same shipped one, so the result does not depend on who computed it."""
-    import hashlib
-    import json
-
-    from filelock import FileLock
-
-    from distill.toy.evaluation import load_experts, sample_pictures, score_pictures
-    from distill.toy.world import CLIP_FRAMES, guidance_of
-
-    world = json.loads((toy_teacher / "toy_world.json").read_text())
-    guidance = guidance_of(world, clips=True)
-
-    def scores(prompts: list[str], steps: int | None = None) -> dict:
-        steps = steps or world["sample_steps"]
-        key = hashlib.sha256("\n".join([str(steps), *prompts]).encode()).hexdigest()[:16]
-        path = run_wide_folder / f"toy-teacher-clips-{key}.json"
-        with FileLock(f"{path}.lock"):
-            if not path.exists():
-                high, low = load_experts(toy_teacher)
-                clips = sample_pictures(
-                    toy_teacher,
-                    prompts,
-                    transformer=high,
-                    transformer_2=low,
-                    steps=steps,
-                    guidance_scale=guidance[0],
-                    guidance_scale_2=guidance[1],
-                    num_frames=CLIP_FRAMES,
-                )
-                staged = path.with_suffix(".partial")  # a worker killed mid-write leaves no half file
-                staged.write_text(json.dumps(score_pictures(clips, prompts)))
-                os.replace(staged, path)
-            return json.loads(path.read_text())
-
-    return scores
-
-
-def clip_guidance(teacher: Path) -> dict[str, float]:
-    """The toy teacher's own guidance on clips, as train_args overrides (a dmd run's real score)."""
-    import json
-
-    from distill.toy.world import guidance_of
-
-    high, low = guidance_of(json.loads((teacher / "toy_world.json").read_text()), clips=True)
-    return {"guidance_scale": high, "guidance_scale_2": low}
-
-
-def assert_clips_keep_up_with_the_teacher(
-    teacher_scores: Callable[..., dict], prompts: list[str], student: dict, student_at_one_step: dict
-) -> None:
-    """The bar a few-step student on clips must clear, against the toy teacher (its own clip
-    guidance) on the same prompts and noise: at least 0.9x the teacher's full-step accuracy, motion
-    ratio 0.85-1.15 (no slow motion, no exaggerated motion), at most twice the teacher's diversity
-    gap, and at one step 0.3 above the teacher at one step (`teacher_scores`: the
-    toy_teacher_clip_scores fixture). Not asserted: beating the teacher at the student's 4 steps. At
-    its clip guidance the toy teacher is as good at 4 steps as at 20 (0.92 / 0.91): the toy clips
-    show no cost of 4 steps for a student to win back (docs/toy-world.md)."""
-    full, one_step = teacher_scores(prompts), teacher_scores(prompts, 1)
-    figures = {
-        name: (r["accuracy"], r["motion_ratio"], r["diversity_gap"])
-        for name, r in (
-            ("student", student),
-            ("student, one step", student_at_one_step),
-            ("teacher, full", full),
-            ("teacher, one step", one_step),
-        )
-    }
-    assert student["accuracy"] >= 0.9 * full["accuracy"], figures
-    assert 0.85 <= student["motion_ratio"] <= 1.15, figures
-    assert student["diversity_gap"] <= 2 * full["diversity_gap"], figures
-    assert student_at_one_step["accuracy"] >= one_step["accuracy"] + 0.3, figures
-
-
 def load_teacher_parts(teacher: Path, prompts: list[str]) -> tuple:
     """(info, high-noise expert, low-noise expert, {prompt: embedding}) of a teacher on the CPU in
     float32; the embeddings cover `prompts` and the empty negative prompt."""
@@ -342,3 +240,28 @@ def load_teacher_parts(teacher: Path, prompts: list[str]) -> tuple:
 def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache folder shared by runs with the default train_args settings (built once)."""
     return tmp_path_factory.mktemp("cache")
+
+
+def preempt_then_finish(
+    train: Callable[[list[str]], int],
+    args: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    at_step: int = 2,
+    when_stopped: Callable[[], None] | None = None,
+) -> None:
+    """Run `args` in this process until a real SIGTERM at `at_step` (DISTILL_INJECT_FAULT: the trainer's
+    own handler saves a checkpoint there and `train` returns 75), then run them again: it resumes from
+    that checkpoint and finishes (0). In this process, not a new one: the signal path is the same, and
+    the run it is compared with computes on the same thread count (the same bits).
+    tests/test_resilience.py and the stress scenarios send it to a separate process and to one rank of
+    two. `when_stopped` checks what the stopped run left before it is resumed."""
+    monkeypatch.setenv("DISTILL_INJECT_FAULT", f"sigterm:{at_step}")
+    assert train(args) == 75
+    monkeypatch.delenv("DISTILL_INJECT_FAULT")
+    if when_stopped is not None:
+        when_stopped()
+    capsys.readouterr()
+    assert train(args) == 0
+    resumed = [line for line in capsys.readouterr().err.splitlines() if "resumed from" in line]
+    assert resumed and f"step_{at_step:08d}" in resumed[0], resumed

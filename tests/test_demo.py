@@ -1,6 +1,7 @@
 """`make demo` ends with the headline: a table from eval.json and summary.png, every row and panel
 saying its model, steps and guidance. The demo's own training run is timed and scored by hand (it
-takes minutes); tests/test_toy_dmd.py holds the same recipe to its accuracy in the suite."""
+takes minutes); its run is shipped (assets/toy_student_dmd/) and tests/test_toy_shipped_students.py
+holds it to its bars in the suite."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, repo_pythonpath, train_args
+from conftest import REPO, preempt_then_finish, repo_pythonpath, train_args
 from PIL import Image
 from safetensors.torch import load_file
 from test_distributed import assert_same_trajectory
@@ -158,15 +158,11 @@ def test_the_caches_hold_the_stock_pipelines_image_condition_and_clean_latents(w
     ],
     ids=["velocity", "dmd-lora"],
 )
-def test_a_run_stopped_by_sigterm_resumes_to_the_same_weights(world, tmp_path, method):
+def test_a_run_stopped_by_sigterm_resumes_to_the_same_weights(world, tmp_path, monkeypatch, capsys, method):
     common = dict(num_steps=4, checkpoint_every=100, **method)
-    # One thread here as in the processes below: the same float arithmetic, so the same bits.
     assert train(args_for(world, tmp_path / "straight", **common)) == 0
     out = tmp_path / "preempted"
-    first = run_process(args_for(world, out, **common), fault="sigterm:2")
-    assert first.returncode == 75, first.stderr[-3000:]
-    second = run_process(args_for(world, out, **common))
-    assert second.returncode == 0 and "resumed from" in second.stderr, second.stderr[-3000:]
+    preempt_then_finish(train, args_for(world, out, **common), monkeypatch, capsys)
     lora = "student_lora_rank" in method
     files = (
         ["lora/high_noise_lora.safetensors", "lora/low_noise_lora.safetensors"]

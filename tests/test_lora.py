@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import A14B_EXPERT, REPO, train_args
+from conftest import A14B_EXPERT, REPO, preempt_then_finish, train_args
 from safetensors.torch import load_file
 from test_distributed import assert_same_trajectory, launch
 
@@ -261,25 +261,27 @@ def test_a_lora_dmd_run_resumes_exactly_and_exports_what_its_model_card_loads(
     assert "made with a different lora" in capsys.readouterr().err
 
 
-def test_a_preempted_lora_run_under_bf16_autocast_resumes_to_the_same_adapters(tiny_teacher, tmp_path):
+def test_a_preempted_lora_run_under_bf16_autocast_resumes_to_the_same_adapters(
+    tiny_teacher, tmp_path, monkeypatch, capsys
+):
     """SIGTERM mid-run (a preemption): exit 75 with a checkpoint at that step and no export; the rerun
     ends with the adapters of an uninterrupted run, bit for bit (the same code path replayed), with
     the student and the critic under bf16 autocast."""
-    from test_resilience import run_process
-
     common = dict(num_steps=5, checkpoint_every=100, mixed_precision="bf16", ema_decay=0.9)
     cache = tmp_path / "cache"
-    straight = run_process(lora_args(tiny_teacher, tmp_path / "straight", cache, **common))
-    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert main(lora_args(tiny_teacher, tmp_path / "straight", cache, **common)) == 0
     out = tmp_path / "preempted"
-    first = run_process(lora_args(tiny_teacher, out, cache, **common), fault="sigterm:3")
-    assert first.returncode == 75 and "stopped by SIGTERM at step 3" in first.stdout, first.stderr[-2000:]
-    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")] == [
-        "step_00000003"
-    ]
-    assert not (out / "lora").exists()
-    second = run_process(lora_args(tiny_teacher, out, cache, **common))
-    assert second.returncode == 0 and "step_00000003" in second.stderr, second.stderr[-2000:]
+
+    def stopped_at_step_3() -> None:
+        assert "stopped by SIGTERM at step 3" in capsys.readouterr().out
+        assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")] == [
+            "step_00000003"
+        ]
+        assert not (out / "lora").exists()
+
+    preempt_then_finish(
+        main, lora_args(tiny_teacher, out, cache, **common), monkeypatch, capsys, 3, stopped_at_step_3
+    )
     for folder in ("lora", "lora_ema"):
         x, y = adapters(tmp_path / "straight" / folder), adapters(out / folder)
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), folder

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, train_args
+from conftest import REPO, preempt_then_finish, train_args
 from PIL import Image
 from safetensors.torch import load_file
 from test_distributed import assert_same_trajectory
@@ -159,14 +159,13 @@ def padded(embedding: torch.Tensor, length: int) -> torch.Tensor:
     ],
     ids=["text-velocity", "image-dmd-lora"],
 )
-def test_a_run_stopped_by_sigterm_resumes_to_the_same_weights(world, tmp_path, mode, method):
+def test_a_run_stopped_by_sigterm_resumes_to_the_same_weights(
+    world, tmp_path, monkeypatch, capsys, mode, method
+):
     common = dict(num_steps=4, checkpoint_every=100, **method)
     assert train(args_for(world, tmp_path / "straight", mode, **common)) == 0
     out = tmp_path / "preempted"
-    first = run_process(args_for(world, out, mode, **common), fault="sigterm:2")
-    assert first.returncode == 75, first.stderr[-3000:]
-    second = run_process(args_for(world, out, mode, **common))
-    assert second.returncode == 0 and "resumed from" in second.stderr, second.stderr[-3000:]
+    preempt_then_finish(train, args_for(world, out, mode, **common), monkeypatch, capsys)
     lora = "student_lora_rank" in method
     # One transformer: one adapter file (no high/low pair).
     name = "lora/lora.safetensors" if lora else "student/diffusion_pytorch_model.safetensors"

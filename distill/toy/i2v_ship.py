@@ -19,7 +19,6 @@ they were trained from, so they carry no machine's paths.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shlex
 import shutil
@@ -155,21 +154,9 @@ def command(
 def ship(kind: str, exported: str | Path, record: dict[str, Any], dest: Path | None = None) -> Path:
     """Copy a run's exported folder (its student, or its LoRA adapters) to `dest` (ASSETS[kind])
     atomically, naming the teacher as TEACHER_REF, with `record`."""
-    from distill.sample.model_card import write_model_card
-    from distill.sample.run_settings import RUN_SETTINGS_FILE, read_run_settings, write_run_settings
-    from distill.toy.shipped import staged_folder
+    from distill.toy.shipped import ship_student
 
-    dest = ASSETS[kind] if dest is None else dest
-    with staged_folder(dest) as staging:
-        shutil.copytree(exported, staging)
-        settings = dataclasses.replace(
-            read_run_settings(staging / RUN_SETTINGS_FILE), teacher_path=TEACHER_REF
-        )
-        write_run_settings(settings, staging)
-        ref = dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest
-        write_model_card(staging, settings, "lora" if kind == "lora" else "transformer", folder_ref=str(ref))
-        (staging / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    return dest
+    return ship_student(exported, ASSETS[kind] if dest is None else dest, TEACHER_REF, (RECORD_FILE, record))
 
 
 def retrain(kind: str, work: Path, dest: Path | None = None, count: int = EVAL_CASES) -> Path:

@@ -256,8 +256,9 @@ def reference_variations(prompts: Sequence[str], size: int, seed: int = 0) -> di
 def score(images: Sequence[np.ndarray], prompts: Sequence[str], seed: int = 0) -> dict[str, Any]:
     """Accuracy and diversity gap of `images` (each (H, W, 3)) drawn for `prompts` (grammar prompts).
 
-    Returns `accuracy`, `per_attribute`, `diversity_gap`, `wasserstein` (per variation, normalised),
-    `count`, `found` (samples in which a shape was found) and `chance`.
+    Returns `accuracy`, `correct` (one character per sample: 1 when all its attributes are right),
+    `per_attribute`, `diversity_gap`, `wasserstein` (per variation, normalised), `count`, `found`
+    (samples in which a shape was found) and `chance`.
     """
     if len(images) != len(prompts) or not len(images):
         raise ValueError(f"need one prompt per image, got {len(images)} images and {len(prompts)} prompts")
@@ -280,6 +281,7 @@ def score(images: Sequence[np.ndarray], prompts: Sequence[str], seed: int = 0) -
         gap = float(np.mean(list(distances.values())))
     return {
         "accuracy": float(np.mean(all_right)),
+        "correct": "".join("1" if ok else "0" for ok in all_right),
         "per_attribute": {name: float(np.mean(right[name])) for name in ATTRIBUTES},
         "diversity_gap": gap,
         "wasserstein": distances,
@@ -362,6 +364,7 @@ def score_clips(clips: Sequence[np.ndarray], prompts: Sequence[str], seed: int =
     jitters = [r.jitter for r in readings if r.jitter is not None]
     return {
         "accuracy": float(np.mean(all_right)),
+        "correct": "".join("1" if ok else "0" for ok in all_right),
         "per_attribute": {name: float(np.mean(right[name])) for name in CLIP_ATTRIBUTES},
         "diversity_gap": gap,
         "wasserstein": distances,

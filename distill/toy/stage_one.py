@@ -16,8 +16,6 @@ trained from, so the shipped files carry no machine's paths.
 
 from __future__ import annotations
 
-import dataclasses
-import shutil
 from pathlib import Path
 
 from distill.ops.command import Parser, PathAction, entry_point
@@ -69,18 +67,9 @@ def recipe_args(
 
 def ship(student_dir: str | Path, dest: Path = ASSET) -> Path:
     """Copy an exported student to `dest` (atomically), naming the teacher as TEACHER_REF."""
-    from distill.sample.model_card import write_model_card
-    from distill.sample.run_settings import RUN_SETTINGS_FILE, read_run_settings, write_run_settings
-    from distill.toy.shipped import staged_folder
+    from distill.toy.shipped import ship_student
 
-    with staged_folder(dest) as staging:
-        shutil.copytree(student_dir, staging)
-        settings = read_run_settings(staging / RUN_SETTINGS_FILE)
-        settings = dataclasses.replace(settings, teacher_path=TEACHER_REF)
-        write_run_settings(settings, staging)
-        ref = dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest
-        write_model_card(staging, settings, "transformer", folder_ref=str(ref))
-    return dest
+    return ship_student(student_dir, dest, TEACHER_REF)
 
 
 @entry_point
