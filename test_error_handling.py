@@ -30,6 +30,11 @@ import pytest
 pytestmark = pytest.mark.long
 
 REPO = Path(__file__).resolve().parent
+# The scenarios distill/stress.py also runs (dead_worker, hang_one_rank, exception_one_rank,
+# kill_one_rank), here on a quiet machine. `make test` runs each scenario once, in tests/test_stress.py
+# beside a CPU hog, the harder condition, with the same checks and a resume (-m "not stress_twin");
+# `python test_error_handling.py` and `python -m pytest test_error_handling.py` run them here too.
+STRESS_TWIN = pytest.mark.stress_twin
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TIMEOUT = 180
 
@@ -317,6 +322,7 @@ def test_out_of_memory_on_one_rank() -> None:
         expect(fix in proc.stderr, f"fix {fix}", proc)
 
 
+@STRESS_TWIN
 def test_dataloader_worker_that_dies() -> None:
     flags = train_flags("worker", **{"--num_workers": "1"})
     proc = run(
@@ -342,6 +348,7 @@ def test_dataloader_worker_that_dies() -> None:
     expect("Traceback" not in proc.stderr, "no traceback", proc)
 
 
+@STRESS_TWIN
 def test_a_rank_that_hangs_is_reported_with_every_ranks_stacks() -> None:
     flags = train_flags("hang", **{"--num_steps": "8", "--stall_timeout": "0.2"})
     proc = torchrun(["train_distillation.py", *flags], env={"DISTILL_INJECT_FAULT": "hang:3@1"})
@@ -363,6 +370,7 @@ def test_a_rank_that_hangs_is_reported_with_every_ranks_stacks() -> None:
     expect(waited or secondary, "rank 0 says it only waited", proc)
 
 
+@STRESS_TWIN
 def test_unexpected_exception_names_stage_and_step() -> None:
     proc = torchrun(
         ["train_distillation.py", *train_flags("exc")], env={"DISTILL_INJECT_FAULT": "exception:4@0"}
@@ -376,6 +384,7 @@ def test_unexpected_exception_names_stage_and_step() -> None:
     expect("Traceback" in cause and "exitcode  : 10" in cause, "traceback and exit code", proc)
 
 
+@STRESS_TWIN
 def test_killed_rank_does_not_hang_the_others() -> None:
     started = time.monotonic()
     proc = torchrun(

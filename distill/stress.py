@@ -89,7 +89,14 @@ def _traceback_after_banner(outcome: Outcome) -> list[str]:
 def _check_dead_worker(outcome: Outcome) -> list[str]:
     problems = [] if outcome.returncode == 6 else [f"exit code {outcome.returncode}, expected 6 (DATA)"]
     problems += _needs(outcome, "ERROR (data): a DataLoader worker process died during training, step")
-    problems += _needs(outcome, "DataLoader worker (pid", "--num_workers 0")
+    problems += _needs(
+        outcome,
+        "DataLoader worker (pid",
+        "was killed by SIGABRT (Aborted)",  # the dead worker and its signal, whichever way it was noticed
+        "--num_workers 0",
+        "docker run --shm-size",
+        "/dev/shm:",
+    )
     if "another rank" in outcome.stderr:
         problems.append("a single process blamed another rank")
     if "Traceback" in outcome.stderr:
@@ -119,6 +126,7 @@ def _check_kill(outcome: Outcome) -> list[str]:
 def _check_hang(outcome: Outcome) -> list[str]:
     problems = _needs(
         outcome,
+        "[Rank 1] stall watchdog: no progress for 6 s",  # the hung rank dumps its stacks first
         "[Rank 1] ERROR (stalled): no progress for 6 s during training, step 3",
         "[Rank 1]   It is NOT inside a collective",
     )
@@ -135,6 +143,11 @@ WAITING_RANK_REPORTS = (
     "[Rank 0]   It waits inside a collective",
     "[Rank 0] ERROR (training): lost contact with another rank",
 )
+
+
+def _check_hang_before_step(outcome: Outcome) -> list[str]:
+    """As any hang, and the hung rank's stack shows it stuck before its step."""
+    return _check_hang(outcome) + _needs(outcome, "in before_step")
 
 
 def _check_hang_in_forward(outcome: Outcome) -> list[str]:
@@ -165,6 +178,8 @@ def _check_exception(outcome: Outcome) -> list[str]:
     root = outcome.stderr[outcome.stderr.find("Root Cause") :] if "Root Cause" in outcome.stderr else ""
     if "exitcode  : 10" not in root:
         problems.append("the root cause is not rank 0's exit code 10")
+    if "Traceback" not in root:
+        problems.append("the root cause shows no traceback of the unexpected exception")
     return problems
 
 
@@ -193,7 +208,7 @@ SCENARIOS: dict[str, Scenario] = {
             "two ranks; rank 1 stops making progress at step 3",
             2,
             "hang:3@1",
-            _check_hang,
+            _check_hang_before_step,
             {"--stall_timeout": "0.1", "--num_steps": "8"},
         ),
         Scenario(

@@ -3,10 +3,10 @@ and banners every time, and the checkpoint folder always resumes. The hog is one
 suite itself keeps the other core busy (pytest -n 2).
 
 Four scenarios also run on a quiet machine in test_error_handling.py (a dead DataLoader worker, a
-hung rank, an exception and a SIGKILL on one rank); every scenario runs here once, beside the hog,
-the harder of the two conditions (the suite's 20 minutes hold no more). `python -m distill.stress
---runs N` is the long version of the same runs, quiet and beside the hog (its figures, many runs
-of each, are in TORCHRUN_ERROR_FIXES.md).
+hung rank, an exception and a SIGKILL on one rank) when it runs as a command of its own; `make test`
+runs every scenario once, here, beside the hog, the harder of the two conditions, with the checks of
+both (-m "not stress_twin"). `python -m distill.stress --runs N` is the long version of the same runs,
+quiet and beside the hog (its figures, many runs of each, are in TORCHRUN_ERROR_FIXES.md).
 """
 
 from __future__ import annotations

@@ -64,14 +64,22 @@ def prove_stage_one(clips: bool, work: Path, ship: bool) -> list[str]:
     teacher = write_toy_teacher(work / "teacher", overwrite=True)
     recipe = stage_one.CLIP_RECIPE if clips else stage_one.RECIPE
     shipped = stage_one.CLIP_ASSET if clips else stage_one.ASSET
-    result = Distiller(parse_config(stage_one.recipe_args(teacher, work / "run", work / "cache", recipe))).run()
-    new, old = (student_rows(teacher, name, folder, clips, steps=(4,))[0] for name, folder in (
-        ("retrained", result.student_dir), ("shipped", shipped)))
+    result = Distiller(
+        parse_config(stage_one.recipe_args(teacher, work / "run", work / "cache", recipe))
+    ).run()
+    new, old = (
+        student_rows(teacher, name, folder, clips, steps=(4,))[0]
+        for name, folder in (("retrained", result.student_dir), ("shipped", shipped))
+    )
     print(f"  at 4 steps: retrained {new['accuracy']:.2f}, shipped {old['accuracy']:.2f}")
     if ship:
         stage_one.ship(result.student_dir, shipped)
     gap = abs(new["accuracy"] - old["accuracy"])
-    return [] if gap <= STAGE_ONE_TOLERANCE else [f"accuracy {new['accuracy']:.2f} ({old['accuracy']:.2f} shipped)"]
+    return (
+        []
+        if gap <= STAGE_ONE_TOLERANCE
+        else [f"accuracy {new['accuracy']:.2f} ({old['accuracy']:.2f} shipped)"]
+    )
 
 
 def proofs() -> dict[str, Callable[[Path, bool], list[str]]]:
@@ -96,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=sorted(every), help="these students only")
     parser.add_argument("--ship", action="store_true", help="replace the shipped folders with the new runs")
     parser.add_argument(
-        "--work_dir", action=PathAction, kind=Kind.OUTPUT_FOLDER, default="outputs/proofs", help="where the runs go"
+        "--work_dir",
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        default="outputs/proofs",
+        help="where the runs go",
     )
     args = parser.parse_args(argv)
     import torch
