@@ -36,6 +36,10 @@ COMMANDS = {
     "distill.toy.stage_one",
     "distill.toy.i2v_students",
     "distill.toy.i2v_ship",
+    "distill.toy.t2v_ship",
+    "distill.toy.t2v_students",
+    "distill.toy.proofs",
+    "distill.toy.shipping",  # what the ship commands share; only they import it
 }
 MAX_LINES = 500
 LONG_MODULE_REASON = "Longer than 500 lines because"

@@ -341,26 +341,15 @@ def test_settings_a_lora_student_cannot_have_are_refused_naming_the_flag(
     assert not (tmp_path / "out").exists()
 
 
-def test_a_lora_run_under_torchrun_matches_one_process(tiny_teacher, tmp_path):
-    stderr = {}
-    for nproc, size in ((2, 1), (1, 2)):
-        args = lora_args(
-            tiny_teacher, tmp_path / f"n{nproc}", tmp_path / "cache", batch_size=size, num_steps=3
-        )
-        stderr[nproc] = launch(args, nproc=nproc if nproc > 1 else None).stderr
-    # Equal losses and gradient norms per step (weights after Adam are not compared: see
-    # assert_same_trajectory), only adapter gradients reduced, and replicas that agree at the end.
-    keys = ("loss", "grad_norm", "critic_loss", "critic_grad_norm")
-    assert_same_trajectory([tmp_path / "n1", tmp_path / "n2"], keys=keys)
-    assert "all 2 ranks hold identical student and critic weights" in stderr[2]
-    assert (tmp_path / "n2" / "lora" / FILES["high"]).is_file()
-
-
-def test_a_lora_run_with_the_experts_sharded_matches_whole_experts_and_merges_them(tiny_teacher, tmp_path):
-    """FSDP2 holds 1/2 of each expert's frozen weights per rank; the adapters stay whole and DDP-reduced.
-    One sample per rank, so steps where the ranks' samples fall on different sides of the boundary
-    make a rank run an expert on a placeholder (and back-propagate through it) to keep the gathers
-    in step; gradient checkpointing recomputes sharded blocks in backward."""
+def test_a_lora_run_under_torchrun_matches_one_process_whole_or_sharded_and_merges_them(
+    tiny_teacher, tmp_path
+):
+    """Two ranks with whole experts (DDP: only adapter gradients reduced, replicas that agree at the end)
+    train as one process on the same global batch; with the experts sharded (FSDP2 holds 1/2 of each
+    expert's frozen weights per rank; the adapters stay whole and DDP-reduced) as with whole ones. One
+    sample per rank, so steps where the ranks' samples fall on different sides of the boundary make a
+    rank run an expert on a placeholder (and back-propagate through it) to keep the gathers in step;
+    gradient checkpointing recomputes sharded blocks in backward."""
     from diffusers import WanTransformer3DModel
 
     from distill.models.lora_files import write_merged_experts
@@ -376,8 +365,14 @@ def test_a_lora_run_with_the_experts_sharded_matches_whole_experts_and_merges_th
             args += ["--export_formats", "diffusers,merged"]
         stderr = launch(args, nproc=2).stderr
         assert f"teacher placement: {placement}" in stderr
-    assert "all 2 ranks hold identical student and critic weights" in stderr
+        assert "all 2 ranks hold identical student and critic weights" in stderr
+    one = {**common, "batch_size": 2}  # the same global batch in one process
+    assert main(lora_args(tiny_teacher, tmp_path / "one", tmp_path / "cache", **one)) == 0
     keys = ("loss", "grad_norm", "critic_loss", "critic_grad_norm")
+    # Equal losses and gradient norms per step (weights after Adam are not compared: see
+    # assert_same_trajectory).
+    assert_same_trajectory([tmp_path / "one", tmp_path / "gpu"], keys=keys)
+    assert (tmp_path / "gpu" / "lora" / FILES["high"]).is_file()
     # Gathered weights are exact; placeholders and the gathers reorder some float sums (1e-5 seen).
     assert_same_trajectory([tmp_path / "shard", tmp_path / "gpu"], first_rtol=1e-4, rtol=1e-3, keys=keys)
     # merged/ gathered from the shards = the whole teacher's experts with the run's own lora/ added in.

@@ -11,6 +11,8 @@ import sys
 from conftest import REPO, repo_pythonpath, train_args
 from test_distributed import assert_same_trajectory
 
+from train_distillation import main
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -43,26 +45,6 @@ def test_sharded_experts_give_the_same_results_with_one_token_placeholders(tiny_
     assert "rank 1 teacher tokens high 1 low 24" in proc.stdout
     assert "rank 0 lora tokens high 8 low 4" in proc.stdout
     assert "rank 1 lora tokens high 1 low 12" in proc.stdout
-
-
-def test_training_with_a_sharded_teacher_matches_a_whole_teacher(tiny_teacher, tmp_path):
-    common = dict(height=32, width=32, max_prompts=7, num_steps=6, batch_size=1, student_init="teacher")
-    for placement in ("shard", "gpu"):
-        out = tmp_path / placement
-        proc = run(
-            [
-                *TORCHRUN,
-                "--standalone",
-                "--nproc_per_node=2",
-                str(REPO / "train_distillation.py"),
-                *map(
-                    str,
-                    train_args(tiny_teacher, out, tmp_path / "cache", teacher_placement=placement, **common),
-                ),
-            ]
-        )
-        assert f"teacher placement: {placement}" in proc.stdout + proc.stderr
-    assert_same_trajectory([tmp_path / "shard", tmp_path / "gpu"])
 
 
 def _free_port() -> int:
@@ -123,23 +105,34 @@ def test_two_nodes_on_one_machine_finish_with_identical_students(tiny_teacher, t
     assert (tmp_path / "out" / "student").is_dir()
 
 
-def test_two_nodes_of_two_ranks_shard_within_each_node_and_match_one_flat_mesh(tiny_teacher, tmp_path):
-    """2 nodes x 2 ranks (HSDP: each expert sharded within a node, replicated across the two) trains
-    as a flat mesh of 2 ranks and as one process with the whole teacher do, on the same global batch
-    (4 = 1 x 4 ranks = 2 x 2 ranks = 4 x 1 process)."""
-    common = dict(num_steps=3, teacher_placement="shard")
+def test_a_sharded_teacher_trains_as_a_whole_one_on_one_node_and_on_two(tiny_teacher, tmp_path):
+    """On the same global batch (4 = 1 x 4 ranks = 2 x 2 ranks = 4 x 1 process), with the teacher from
+    its high-noise expert's blocks: 2 ranks with the teacher sharded train as 2 ranks with it whole and
+    as one process; 2 nodes x 2 ranks (HSDP: each expert sharded within a node, replicated across the
+    two) as well."""
+    common = dict(num_steps=3, student_init="teacher")
 
-    def args(name: str, batch_size: int) -> list:
-        return train_args(tiny_teacher, tmp_path / name, tmp_path / "cache", batch_size=batch_size, **common)
+    def args(name: str, batch_size: int, placement: str = "shard") -> list:
+        return train_args(
+            tiny_teacher,
+            tmp_path / name,
+            tmp_path / "cache",
+            batch_size=batch_size,
+            teacher_placement=placement,
+            **common,
+        )
 
     launcher = [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
     flat = run([*launcher, str(REPO / "train_distillation.py"), *map(str, args("flat", 2))])
     assert "teacher sharded over all 2 ranks" in flat.stderr
+    whole = run([*launcher, str(REPO / "train_distillation.py"), *map(str, args("whole", 2, "gpu"))])
+    assert "teacher placement: gpu" in whole.stdout + whole.stderr
     # One process: `shard` falls back to a whole teacher (nothing to shard over).
-    run([sys.executable, str(REPO / "train_distillation.py"), *map(str, args("one", 4))])
+    assert main(args("one", 4)) == 0
     logs = run_two_nodes(args("nodes", 1), per_node=2, run_id="two-by-two")
     assert "teacher sharded within each node (2 ranks) and replicated across 2 nodes" in logs
     assert "all 4 ranks hold identical student weights" in logs
+    assert_same_trajectory([tmp_path / "flat", tmp_path / "whole"])
     assert_same_trajectory([tmp_path / "one", tmp_path / "flat"])
     assert_same_trajectory([tmp_path / "one", tmp_path / "nodes"])
 

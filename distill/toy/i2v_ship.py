@@ -154,7 +154,7 @@ def command(
 def ship(kind: str, exported: str | Path, record: dict[str, Any], dest: Path | None = None) -> Path:
     """Copy a run's exported folder (its student, or its LoRA adapters) to `dest` (ASSETS[kind])
     atomically, naming the teacher as TEACHER_REF, with `record`."""
-    from distill.toy.shipped import ship_student
+    from distill.toy.shipping import ship_student
 
     return ship_student(exported, ASSETS[kind] if dest is None else dest, TEACHER_REF, (RECORD_FILE, record))
 

@@ -4,14 +4,11 @@ the staged, all-or-nothing folder writes that copying and the students' shipping
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from distill.ops.errors import DistillError, Stage
 from distill.toy import world
@@ -77,32 +74,3 @@ def staged_folder(dest: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-def ship_student(
-    exported: str | Path,
-    dest: Path,
-    teacher_ref: str,
-    record: tuple[str, dict[str, Any]] | None = None,
-) -> Path:
-    """Copy a run's exported folder (a student, or a LoRA run's adapters) to `dest`, all or nothing:
-    its run settings and model card name the teacher as `teacher_ref` (where the demos put it), not
-    the folder it was trained from, so the shipped files carry no machine's paths; `record` is
-    (file name, what to write in it as JSON): the command that made it and what it scored."""
-    from distill.models.lora_files import is_lora_folder
-    from distill.sample.model_card import write_model_card
-    from distill.sample.run_settings import RUN_SETTINGS_FILE, read_run_settings, write_run_settings
-
-    repo = ASSETS.parents[1]
-    with staged_folder(dest) as staging:
-        shutil.copytree(exported, staging)
-        settings = dataclasses.replace(
-            read_run_settings(staging / RUN_SETTINGS_FILE), teacher_path=teacher_ref
-        )
-        write_run_settings(settings, staging)
-        ref = dest.relative_to(repo) if dest.is_relative_to(repo) else dest
-        folder_kind = "lora" if is_lora_folder(staging) else "transformer"
-        write_model_card(staging, settings, folder_kind, folder_ref=str(ref))
-        if record is not None:
-            (staging / record[0]).write_text(json.dumps(record[1], indent=2) + "\n")
-    return dest

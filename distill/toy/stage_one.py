@@ -67,7 +67,7 @@ def recipe_args(
 
 def ship(student_dir: str | Path, dest: Path = ASSET) -> Path:
     """Copy an exported student to `dest` (atomically), naming the teacher as TEACHER_REF."""
-    from distill.toy.shipped import ship_student
+    from distill.toy.shipping import ship_student
 
     return ship_student(student_dir, dest, TEACHER_REF)
 

@@ -141,7 +141,7 @@ def evaluation(teacher: Path, kind: str, exported: Path, teacher_rows: list[dict
 def ship(kind: str, exported: str | Path, record: dict[str, Any], dest: Path | None = None) -> Path:
     """Copy a run's exported folder to `dest` (ASSETS[kind]) atomically, naming the teacher as
     TEACHER_REF, with `record`."""
-    from distill.toy.shipped import ship_student
+    from distill.toy.shipping import ship_student
 
     return ship_student(exported, ASSETS[kind] if dest is None else dest, TEACHER_REF, (RECORD_FILE, record))
 

@@ -1,6 +1,9 @@
 """Few-step students of the toy text-to-video teacher, scored as the teacher is, on pictures (colour,
 shape, position and background all right) or on clips (and the motion: direction, speed, motion ratio).
 
+    python -m distill.toy.t2v_students --teacher outputs/toy-wan --student dmd=outputs/demo/student
+    python -m distill.toy.t2v_students --teacher outputs/toy-wan --clips --student outputs/demo-clips/student
+
 A student is an exported dmd student folder (`OUTPUT/student`: one model for every step) or a LoRA
 run's adapters (`OUTPUT/lora`: the teacher's own experts with them). Every model samples through stock
 `WanPipeline` (distill.toy.evaluation.sample_pictures) on the world's scored prompts, the same noise
@@ -19,13 +22,15 @@ The bars a few-step student must clear, against the teacher on the same prompts 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from distill.ops.command import Parser, PathAction, entry_point, integer
+from distill.ops.paths import Kind
 from distill.toy import world
 from distill.toy.evaluation import (
     EVAL_CLIP_PROMPTS,
@@ -226,6 +231,32 @@ def mismatches(a: str, b: str) -> int:
     return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
 
 
-def same_prompts_right(a: Mapping[str, Any], b: Mapping[str, Any]) -> np.ndarray:
-    """Per prompt: whether two rows agree (a boolean array)."""
-    return np.array([x == y for x, y in zip(a["correct"], b["correct"])])
+@entry_point
+def main(argv: list[str] | None = None) -> int:
+    from distill.toy.i2v_students import parse_students
+
+    parser = Parser(prog="python -m distill.toy.t2v_students", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--teacher", required=True, action=PathAction, kind=Kind.FOLDER)
+    parser.add_argument(
+        "--student",
+        action="append",
+        default=[],
+        help="NAME=FOLDER: a dmd student folder or a LoRA run's lora/",
+    )
+    parser.add_argument("--clips", action="store_true", help="score clips (9 frames) instead of pictures")
+    parser.add_argument("--count", type=integer(9), default=None, help="scored prompts (default: all 216)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared machine
+    students = parse_students(args.student)
+    rows = teacher_rows(args.teacher, args.clips, args.count)
+    for name, folder in students.items():
+        rows += student_rows(args.teacher, name, folder, args.clips, args.count)
+    print(table(rows, args.clips))
+    for name in students:
+        missed = unmet(bars(rows, name, args.clips))
+        print(f"{name}: " + ("every bar met" if not missed else "bars missed: " + "; ".join(missed)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
