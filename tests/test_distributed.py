@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import REPO, repo_pythonpath, train_args
 
+from train_distillation import main
+
 
 def launch(args, nproc=None):
     env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
@@ -52,16 +54,18 @@ def assert_same_trajectory(
                 assert ours[key] == pytest.approx(theirs[key], rel=tolerance), (ours["step"], key)
 
 
-def test_two_processes_match_one_process_with_the_same_global_batch(tiny_teacher, tmp_path):
+def test_two_processes_match_one_process_with_the_same_global_batch(tiny_teacher, tmp_path, capsys):
     common = dict(
         height=32, width=32, num_steps=8, lr=1e-3, log_every=1, gradient_accumulation_steps=2, ema_decay=0.9
     )
-    # Two ranks build the caches, each its share; the single process then finds them complete.
+    # Two ranks build the caches, each its share; the single process (this one) then finds them complete.
     two = launch(
         train_args(tiny_teacher, tmp_path / "two", tmp_path / "cache", batch_size=2, **common), nproc=2
     )
-    one = launch(train_args(tiny_teacher, tmp_path / "one", tmp_path / "cache", batch_size=4, **common))
-    assert "encoding" in two.stderr and "encoding" not in one.stderr  # caches reused across world sizes
+    capsys.readouterr()
+    assert main(train_args(tiny_teacher, tmp_path / "one", tmp_path / "cache", batch_size=4, **common)) == 0
+    one = capsys.readouterr()
+    assert "encoding" in two.stderr and "encoding" not in one.err  # caches reused across world sizes
     assert "all 2 ranks hold identical student weights" in two.stderr
     # The logged loss is the mean over both ranks, the gradient norm that of the all-reduced
     # gradient: equal to the single process's only if every rank used its slice of the same batch.

@@ -25,6 +25,7 @@ from distill.models.teacher import inspect_teacher, load_expert
 from distill.train.methods.base import BatchRandomness, MethodEnv
 from distill.train.methods.dmd import DmdMethod, dmd_gradient, dmd_loss, score_estimates, score_sigmas
 from distill.train.trainer import Distiller
+from train_distillation import main
 
 LATENT = (16, 1, 4, 4)  # (C, F, H, W) of a 32x32 image on the tiny teacher
 
@@ -221,17 +222,23 @@ def test_dmd_resume_equals_an_uninterrupted_run_bitwise(tiny_teacher, tmp_path, 
 
 
 def test_dmd_two_processes_match_one_process(tiny_teacher, tmp_path):
-    cache, stderr = tmp_path / "cache", {}
-    for nproc, batch in ((2, 1), (1, 2)):
-        args = dmd_args(
-            tiny_teacher, tmp_path / f"n{nproc}", cache, batch_size=batch, num_steps=3, log_every=1
+    def args(nproc: int, batch: int) -> list[str]:
+        return dmd_args(
+            tiny_teacher,
+            tmp_path / f"n{nproc}",
+            tmp_path / "cache",
+            batch_size=batch,
+            num_steps=3,
+            log_every=1,
         )
-        stderr[nproc] = launch(args, nproc=nproc if nproc > 1 else None).stderr
+
+    two = launch(args(2, 1), nproc=2).stderr
+    assert main(args(1, 2)) == 0  # one process: this one, on one thread as each rank
     # Equal losses and gradient norms of both models per step (weights after Adam are not compared:
     # see assert_same_trajectory), and replicas that agree at the end.
     keys = ("loss", "grad_norm", "critic_loss", "critic_grad_norm", "latent_std_ratio", "regression_loss")
     assert_same_trajectory([tmp_path / "n1", tmp_path / "n2"], keys=keys)
-    assert "all 2 ranks hold identical student and critic weights" in stderr[2]
+    assert "all 2 ranks hold identical student and critic weights" in two
 
 
 def test_dry_run_plan_adds_the_critic_and_says_which_placements_fit():

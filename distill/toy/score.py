@@ -35,6 +35,7 @@ square in between) and the unnamed variation (centroid inside the quadrant, size
 from __future__ import annotations
 
 import colorsys
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,7 +242,13 @@ def wasserstein_1d(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def reference_variations(prompts: Sequence[str], size: int, seed: int = 0) -> dict[str, list[float]]:
-    """The world's own variation values for `prompts`: true pictures drawn and read back."""
+    """The world's own variation values for `prompts`: true pictures drawn and read back (the same
+    every time: kept for the process, as every score of the same prompts draws them again)."""
+    return _reference_variations(tuple(prompts), size, seed)
+
+
+@functools.lru_cache(maxsize=16)
+def _reference_variations(prompts: tuple[str, ...], size: int, seed: int) -> dict[str, list[float]]:
     rng = np.random.default_rng(seed)
     values: dict[str, list[float]] = {name: [] for name in VARIATIONS}
     per_prompt = -(-_REFERENCE_TOTAL // max(len(prompts), 1))
@@ -292,14 +299,20 @@ def score(images: Sequence[np.ndarray], prompts: Sequence[str], seed: int = 0) -
 
 
 def reference_clips(prompts: Sequence[str], size: int, frames: int, seed: int = 0) -> list[ClipReading]:
-    """The world's own clips for `prompts` (at least one each), drawn and read back."""
+    """The world's own clips for `prompts` (at least one each), drawn and read back (kept for the
+    process, as reference_variations)."""
+    return list(_reference_clips(tuple(prompts), size, frames, seed))
+
+
+@functools.lru_cache(maxsize=16)
+def _reference_clips(prompts: tuple[str, ...], size: int, frames: int, seed: int) -> tuple[ClipReading, ...]:
     rng = np.random.default_rng(seed)
     per_prompt = -(-_REFERENCE_CLIPS // max(len(set(prompts)), 1))
-    return [
+    return tuple(
         read_clip(render_clip(scene_for(prompt, rng), size, frames))
         for prompt in sorted(set(prompts))
         for _ in range(per_prompt)
-    ]
+    )
 
 
 def _clip_variations(reading: ClipReading, expected: dict[str, str | None]) -> dict[str, float]:
