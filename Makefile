@@ -18,11 +18,9 @@ DEMO_ENV := OMP_NUM_THREADS=1
 
 .PHONY: demo demo-clips demo-i2v test proofs gpu-check lint format clean toy-stage1 toy-stage1-clips
 
-# --no-compile: pip would byte-compile every module of every package (torch alone has thousands) before
-# anything runs, 33 s of a 59 s install here; Python compiles what is imported, once, on first use.
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	@touch $(STAMP)
 
 # The product's headline on the toy teacher (trained on a synthetic world, real Wan 2.2 layout;

@@ -98,8 +98,9 @@ SMALL_EXPERT = dict(
 HEAVIEST_MODULES = (
     "test_stress.py",
     "test_toy_methods_clips.py",
-    "test_toy_methods_pictures.py",
     "test_toy_shipped_students.py",
+    "test_toy_methods_i2v.py",
+    "test_toy_methods_pictures.py",
 )
 
 
