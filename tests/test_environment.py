@@ -69,6 +69,8 @@ def test_the_hub_and_wandb_tests_pass_in_an_offline_users_shell(tmp_path):
         env=users_shell(tmp_path),
         capture_output=True,
         text=True,
+        # Without the clearing, these settings leave a test sleeping in retries (seen): a bound, not a hang.
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
