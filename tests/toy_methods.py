@@ -10,6 +10,7 @@ scored).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +98,17 @@ def score_i2v_folder(teacher: Path, folder: Path, cases: list, steps: int) -> di
     """Image adherence (and the rest of distill.toy.i2v_students' row) of an image-to-video student
     folder (a student, a LoRA folder, or one of the teacher's experts alone) on held-out `cases`, at
     `steps` of its own scheduler (the teacher's when it has none), guidance 1."""
-    from distill.toy.i2v_evaluation import load_pipeline, sample_cases
+    from distill.toy.i2v_evaluation import sample_cases
     from distill.toy.i2v_students import score_row, student_pipeline
 
-    pipe = student_pipeline(folder, load_pipeline(teacher), teacher)
+    pipe = student_pipeline(folder, teacher_pipeline(teacher), teacher)
     return score_row(sample_cases(pipe, cases, steps, (1.0, 1.0)), cases)
+
+
+@functools.cache
+def teacher_pipeline(teacher: Path) -> Any:
+    """The teacher's stock pipeline, loaded once per process: every student scored against it shares
+    its text encoder, and with it the prompts' embeddings (distill.toy.i2v_evaluation)."""
+    from distill.toy.i2v_evaluation import load_pipeline
+
+    return load_pipeline(teacher)

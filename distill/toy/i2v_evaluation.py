@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,28 @@ def load_pipeline(folder: str | Path, device: str = "cpu") -> Any:
     pipe = WanImageToVideoPipeline.from_pretrained(str(folder), torch_dtype=torch.float32).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+# text encoder -> {prompt: (embedding, empty negative's)}: held as long as the encoder is.
+_EMBEDDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prompt_embeddings(pipe: Any, prompt: str) -> dict[str, torch.Tensor]:
+    """The pipeline's own embeddings of `prompt` and of the empty negative prompt (its default), as
+    `prompt_embeds` / `negative_prompt_embeds`, kept per text encoder: the teacher and the students
+    that share its encoder sample the same prompts at several step counts, and each 512-token
+    encoding cost more than a few-step sample of the toy clip."""
+    known = _EMBEDDINGS.setdefault(pipe.text_encoder, {})
+    if prompt not in known:
+        known[prompt] = pipe.encode_prompt(
+            prompt=prompt,
+            negative_prompt="",
+            do_classifier_free_guidance=True,
+            max_sequence_length=512,
+            device=pipe.text_encoder.device,
+        )
+    embedding, negative = known[prompt]
+    return {"prompt_embeds": embedding, "negative_prompt_embeds": negative}
 
 
 @torch.no_grad()
@@ -57,7 +80,7 @@ def sample_cases(
             # (1, 3, H, W) float in [0, 1]: the pipeline's processor maps it to [-1, 1] with no
             # rounding to uint8, so the condition is the one the teacher trained on.
             image=torch.from_numpy(case.image).permute(2, 0, 1)[None],
-            prompt=case.prompt,
+            **prompt_embeddings(pipe, case.prompt),
             height=size,
             width=size,
             num_frames=frames,
