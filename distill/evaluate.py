@@ -66,7 +66,6 @@ from pathlib import Path
 from typing import Any
 
 from distill.config.flag_rules import Dependent, check_dependents, check_guidance, given_where
-from distill.config.settings import PROMPT_SUFFIXES
 from distill.models.teacher import resolve_dtype
 from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.errors import DistillError, Stage, report
@@ -113,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         required=True,
         action=PathAction,
-        kind=Kind.FILE,
-        suffixes=PROMPT_SUFFIXES,
-        help="Prompt file (.txt, .jsonl or .csv), ideally held out.",
+        kind=Kind.PROMPTS,
+        help="Prompt file (.txt, .jsonl, .csv or .tsv), ideally held out; for an image-to-video student "
+        "a .jsonl / .csv / .tsv pairing each prompt with its image, or a folder of captioned videos or pictures.",
     )
     parser.add_argument(
         "--output_dir",
@@ -255,7 +254,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     check_paths(
         [
             PathFlag("--teacher_path", args.teacher_path, Kind.FOLDER_OR_HUB),
-            PathFlag("--prompts", args.prompts, Kind.FILE, suffixes=PROMPT_SUFFIXES),
+            PathFlag("--prompts", args.prompts, Kind.PROMPTS),
         ]
     )
     writable_folder(args.output_dir, "--output_dir", create=False)

@@ -47,7 +47,6 @@ from typing import Any
 import torch
 
 from distill.config.flag_rules import Dependent, check_dependents, check_guidance, given_where
-from distill.config.settings import PROMPT_SUFFIXES
 from distill.models.lora_files import is_lora_folder, lora_files
 from distill.models.pipelines import (
     check_sample_size,
@@ -264,7 +263,7 @@ def path_flags(args: argparse.Namespace) -> list[PathFlag]:
     return [
         PathFlag("--student", args.student, Kind.FOLDER, must_exist=False),
         PathFlag("--teacher_path", args.teacher_path, Kind.FOLDER_OR_HUB),
-        PathFlag("--prompts_file", args.prompts_file, Kind.FILE, suffixes=PROMPT_SUFFIXES),
+        PathFlag("--prompts_file", args.prompts_file, Kind.PROMPTS),
         PathFlag("--output", args.output, output, example="sample.png"),
     ]
 
@@ -418,10 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prompts_file",
         action=PathAction,
-        kind=Kind.FILE,
-        suffixes=PROMPT_SUFFIXES,
+        kind=Kind.PROMPTS,
         help="More prompts, from a .txt / .jsonl / .csv file; for an image-to-video student, a .jsonl / "
-        '.csv / .tsv file may pair each prompt with its image ({"prompt": "...", "image": "first.png"}).',
+        '.csv / .tsv file may pair each prompt with its image ({"prompt": "...", "image": "first.png"}), '
+        "and a folder of videos or pictures captioned by .txt files of the same names pairs them too.",
     )
     parser.add_argument(
         "--image",

@@ -138,7 +138,8 @@ def test_preprocessing_is_the_stock_pipelines_and_odd_sizes_are_said_once(tmp_pa
             assert ours.shape == (1, 3, HEIGHT, WIDTH)
             assert torch.equal(ours, theirs.float())
     said = [r.getMessage() for r in caplog.records if r.name == "distill.data.images"]
-    assert len(said) == 2  # one per kind, for the first image only
+    assert len(said) == 3  # one per kind, for the first image only
+    assert any("has transparent pixels (mode RGBA): the transparency is dropped" in s for s in said)
     assert any("90x30, another aspect ratio than the run's 48x32" in s and "line 2" in s for s in said)
     assert any("smaller than the run's 48x32" in s and "wide.png" in s for s in said)
 
@@ -215,15 +216,17 @@ def test_a_folder_of_captioned_videos_gives_their_first_frames(tmp_path):
 
     frames = np.random.default_rng(0).random((5, HEIGHT, WIDTH, 3))
     video = write_frames(frames, tmp_path / "clips" / "b_wave.mp4")
-    picture(tmp_path / "clips" / "still.png")  # not a video: ignored
+    still = picture(tmp_path / "clips" / "c_still.png")  # a captioned picture is a member too
+    (tmp_path / "clips" / "c_still.txt").write_text("a still lake")
     (tmp_path / "clips" / "b_wave.txt").write_text("a wave\nbreaking\n")
-    (pair,) = read_image_prompts(tmp_path / "clips")
+    pair, lake = read_image_prompts(tmp_path / "clips")
     assert (pair.prompt, pair.image) == ("a wave breaking", video)
+    assert (lake.prompt, lake.image) == ("a still lake", still)
     stock = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None)
     theirs = stock.video_processor.preprocess(load_video(str(video))[0], height=HEIGHT, width=WIDTH)
     assert torch.equal(ImagePreprocessor(HEIGHT, WIDTH)(pair), theirs.float())
 
     write_frames(frames, tmp_path / "clips" / "a_rain.mp4")
     error = refused(tmp_path / "clips")
-    assert "video a_rain.mp4 has no caption file a_rain.txt" in error.title
-    assert f"write the video's caption in {tmp_path / 'clips' / 'a_rain.txt'}" in error.fixes[0]
+    assert "a_rain.mp4 has no caption file a_rain.txt" in error.title
+    assert f"write the caption of a_rain.mp4 in {tmp_path / 'clips' / 'a_rain.txt'}" in error.fixes[0]

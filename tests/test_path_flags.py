@@ -148,8 +148,8 @@ CASES = [
         "--teacher_path",
     ),
     Case(
-        "generate-prompts_file-folder",
-        gen("--prompts_file", "TMP/prompts", "--output", "TMP/g"),
+        "generate-prompts_file-under-file",
+        gen("--prompts_file", UNDER, "--output", "TMP/g"),
         "--prompts_file",
     ),
     Case(
@@ -159,7 +159,7 @@ CASES = [
     # python -m distill.evaluate
     Case("evaluate-student-file", ev("--student", A), "--student"),
     Case("evaluate-teacher-file", ev("--teacher_path", A), "--teacher_path"),
-    Case("evaluate-prompts-folder", ev("--prompts", "TMP/prompts"), "--prompts"),
+    Case("evaluate-prompts-under-file", ev("--prompts", UNDER), "--prompts"),
     Case("evaluate-prompts-missing", ev("--prompts", NOWHERE), "--prompts"),
     Case("evaluate-output_dir-file", ev("--output_dir", A), "--output_dir"),
     Case("evaluate-output_dir-under-file", ev("--output_dir", UNDER), "--output_dir"),

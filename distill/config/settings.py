@@ -645,7 +645,6 @@ class TrainConfig:
         """Every path setting and what it must be (distill.ops.paths). A teacher or a pretrained
         start may be a hub id; a missing student folder, LoRA folder or sample prompts file is left
         to its loader, which names it in its own terms (and finds the shipped sample prompts)."""
-        prompts = PROMPT_SUFFIXES  # offered from a folder given instead of a prompt file
         flags = [
             PathFlag("--output_dir", self.output_dir, Kind.OUTPUT_FOLDER),
             # The default <output_dir>/cache too: a stray file there would stop the run after setup.
@@ -655,9 +654,9 @@ class TrainConfig:
             PathFlag("--teacher_path", self.teacher_path, Kind.FOLDER_OR_HUB),
             PathFlag("--student_config", self.student_config, Kind.FILE_OR_FOLDER),
             PathFlag("--critic_config", self.critic_config, Kind.FILE_OR_FOLDER),
-            PathFlag("--data_path", self.data_path, Kind.FILE, Stage.DATA, suffixes=prompts),
-            PathFlag("--sample_prompts", self.sample_prompts, Kind.FILE, must_exist=False, suffixes=prompts),
-            PathFlag("--eval_prompts", self.eval_prompts, Kind.FILE, must_exist=False, suffixes=prompts),
+            PathFlag("--data_path", self.data_path, Kind.PROMPTS, Stage.DATA),
+            PathFlag("--sample_prompts", self.sample_prompts, Kind.PROMPTS, must_exist=False),
+            PathFlag("--eval_prompts", self.eval_prompts, Kind.PROMPTS, must_exist=False),
             PathFlag("--student_lora_init", self.student_lora_init, Kind.FOLDER, must_exist=False),
         ]
         for name in ("student_init", "critic_init"):

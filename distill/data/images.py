@@ -2,10 +2,11 @@
 
 A `.jsonl` file with {"prompt": ..., "image": ...} per line, or a `.csv` / `.tsv` file whose header
 names the columns `prompt` and `image`; image paths are relative to the prompts file. Or a folder
-of videos, each captioned by the .txt file of the same name, whose first frames are the images. The
-prompts are read by distill.data.prompts (same checks, same messages); this module adds the image: every
-record without one, or whose image is missing, unreadable or not an image, is refused with the
-prompts file, its line and the image path, before anything is encoded.
+of videos or pictures, each captioned by the .txt file of the same name (a video's first frame is
+its image). The prompts are read by distill.data.prompts (same checks, same messages, folders
+included); this module adds the image: every record without one, or whose image is missing,
+unreadable or not an image, is refused with the prompts file, its line and the image path, before
+anything is encoded. Every image is read by distill.data.image_files, as every command reads one.
 
 Images are brought to the run's size exactly as stock `WanImageToVideoPipeline` does (diffusers'
 own VideoProcessor: stretched to height x width with Lanczos, no crop, scaled to [-1, 1]), so a
@@ -23,6 +24,9 @@ from typing import Any
 
 import torch
 
+from distill.data.image_files import IMAGE_FIX as IMAGE_FILE_FIX
+from distill.data.image_files import ImageFileError, Note, read_image_file
+from distill.data.image_files import check_image_file as check_file
 from distill.data.prompts import read_prompt_records
 from distill.ops.errors import DistillError, Stage
 
@@ -34,11 +38,9 @@ PAIRED_SUFFIXES = (".jsonl", ".csv", ".tsv")
 PAIRING_FIX = (
     'pair each prompt with an image: a .jsonl file with {"prompt": "...", "image": "images/first.png"} '
     "per line, or a .csv / .tsv file whose header line names the columns prompt and image "
-    "(image paths are relative to the prompts file)"
+    "(image paths are relative to the prompts file), or a folder of videos or pictures each captioned "
+    "by the .txt file of the same name (clip.mp4 with clip.txt)"
 )
-
-# Videos whose first frame is taken as the image (read with imageio's ffmpeg, as diffusers' load_video).
-VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 
 # The VAE's spatial stride of every Wan 2.2 A14B teacher (the stock pipeline reads it from the VAE).
 WAN_VAE_SCALE_FACTOR = 8
@@ -66,15 +68,13 @@ def _image_error(flag: str, source: Path, problem: str, fix: str, details: str =
 
 
 def read_image_prompts(path: str | Path, flag: str = "--data_path") -> list[ImagePrompt]:
-    """(prompt, image) pairs from a .jsonl / .csv / .tsv prompts file; image paths relative to it.
+    """(prompt, image) pairs from a .jsonl / .csv / .tsv prompts file, image paths relative to it, or
+    from a folder of captioned videos or pictures (distill.data.captioned_folder).
 
     Refused (a data error naming the file and line): a file format that pairs no images, a record
-    without an image, and an image that is missing or not an image file. A folder is read as videos
-    with captions (`read_video_captions`).
+    without an image, and an image that is missing or not an image file.
     """
     path = Path(path)
-    if path.is_dir():
-        return read_video_captions(path, flag)
     if path.is_file() and path.suffix.lower() not in PAIRED_SUFFIXES:
         raise _image_error(
             flag,
@@ -83,7 +83,7 @@ def read_image_prompts(path: str | Path, flag: str = "--data_path") -> list[Imag
             "an image into a video: every prompt needs its image",
             PAIRING_FIX,
         )
-    records = read_prompt_records(path, flag)
+    records = read_prompt_records(path, flag, images=True)
     pairs = []
     for record in records:
         value = record.fields.get("image")
@@ -94,7 +94,11 @@ def read_image_prompts(path: str | Path, flag: str = "--data_path") -> list[Imag
                 f"line {record.line} {_missing_image(record.fields, value)}",
                 PAIRING_FIX,
             )
-        pair = ImagePrompt(record.prompt, path.parent / Path(value.strip()).expanduser(), path, record.line)
+        # A folder's record names its image beside its caption file; a file's, relative to the file.
+        source = record.source or path
+        pair = ImagePrompt(
+            record.prompt, source.parent / Path(value.strip()).expanduser(), source, record.line
+        )
         check_image_file(pair, flag)
         pairs.append(pair)
     return pairs
@@ -112,93 +116,35 @@ def _missing_image(fields: dict[str, Any], value: Any) -> str:
     return "has an empty 'image' field"
 
 
+def _pair_error(pair: ImagePrompt, flag: str, error: ImageFileError) -> DistillError:
+    fix = error.fix if error.fix != IMAGE_FILE_FIX else IMAGE_PATH_FIX
+    return _image_error(
+        flag, pair.source, f"line {pair.line}: image {pair.image} {error.problem}", fix, error.details
+    )
+
+
+# What to do about a record whose image file is not one (the fix image_files gives names --image).
+IMAGE_PATH_FIX = "fix the image path (relative to the prompts file) or the image file, or remove the line"
+
+
 def check_image_file(pair: ImagePrompt, flag: str = "--data_path") -> None:
-    """Refuse a missing image, a folder, or a file no image library can identify (header only: a
-    full decode of every image happens once, when its latent is cached)."""
-    import PIL.Image
-
-    problem = ""
-    if pair.image.is_dir():
-        problem = "is a folder, not an image file"
-    elif not pair.image.is_file():
-        problem = "not found"
-    elif pair.image.suffix.lower() in VIDEO_SUFFIXES:
-        pass  # a video's first frame is decoded when its latent is cached
-    else:
-        try:
-            with PIL.Image.open(pair.image):
-                pass
-        except PIL.UnidentifiedImageError:
-            problem = "is not an image (no image format recognises its bytes)"
-        except OSError as exc:
-            problem = f"cannot be read ({exc.strerror or exc})"
-    if problem:
-        raise _image_error(
-            flag,
-            pair.source,
-            f"line {pair.line}: image {pair.image} {problem}",
-            "fix the image path (relative to the prompts file) or the image file, or remove the line",
-        )
-
-
-def load_image(pair: ImagePrompt, flag: str = "--data_path") -> Any:
-    """The pair's image as an RGB PIL image, as diffusers' load_image gives it to the stock pipeline
-    (EXIF rotation applied); a truncated or damaged file is refused naming the file and line."""
-    import PIL.Image
-    from diffusers.utils import load_image as diffusers_load_image
-
+    """Refuse a missing image, a folder, a broken link, a file no image library can identify or one
+    too large to decode (header only: a full decode of every image happens once, when its latent is
+    cached)."""
     try:
-        if pair.image.suffix.lower() in VIDEO_SUFFIXES:
-            import imageio.v3 as iio
-
-            # index=0 decodes the first frame only, whichever container holds the video.
-            return PIL.Image.fromarray(iio.imread(pair.image, index=0)).convert("RGB")
-        return diffusers_load_image(str(pair.image))
-    except (
-        OSError,
-        ValueError,
-        SyntaxError,
-        RuntimeError,
-        IndexError,
-        PIL.Image.DecompressionBombError,
-    ) as exc:
-        raise _image_error(
-            flag,
-            pair.source,
-            f"line {pair.line}: image {pair.image} cannot be decoded",
-            "replace the image with a complete copy, or remove the line",
-            f"{type(exc).__name__}: {exc}",
-        ) from None
+        check_file(pair.image)
+    except ImageFileError as error:
+        raise _pair_error(pair, flag, error) from None
 
 
-def read_video_captions(folder: str | Path, flag: str = "--data_path") -> list[ImagePrompt]:
-    """Each video in `folder` (sorted by name) with its caption, the text of the .txt file of the
-    same name; the video's first frame is its image. A video without a caption is refused."""
-    folder = Path(folder)
-    videos = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in VIDEO_SUFFIXES)
-    if not videos:
-        raise _image_error(
-            flag,
-            folder,
-            f"is a folder without videos ({', '.join(VIDEO_SUFFIXES)}) to take first frames from",
-            f"pass a folder of captioned videos (clip.mp4 with clip.txt), or {PAIRING_FIX}",
-        )
-    pairs = []
-    for video in videos:
-        caption = video.with_suffix(".txt")
-        fix = f"write the video's caption in {caption} (one text), or move the video out of {folder}"
-        if not caption.is_file():
-            raise _image_error(flag, folder, f"video {video.name} has no caption file {caption.name}", fix)
-        try:
-            text = caption.read_text(encoding="utf-8-sig").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise _image_error(
-                flag, caption, f"the caption of {video.name} cannot be read ({exc})", fix
-            ) from None
-        if not text:
-            raise _image_error(flag, caption, f"the caption of {video.name} is empty", fix)
-        pairs.append(ImagePrompt(" ".join(text.split()), video, caption, 1))
-    return pairs
+def load_image(pair: ImagePrompt, flag: str = "--data_path") -> tuple[Any, list[Note]]:
+    """The pair's image as an RGB PIL image (distill.data.image_files: EXIF rotation applied, as
+    diffusers' load_image gives it to the stock pipeline), and what reading it changed; a truncated
+    or damaged file is refused naming the file and line."""
+    try:
+        return read_image_file(pair.image)
+    except ImageFileError as error:
+        raise _pair_error(pair, flag, error) from None
 
 
 class ImagePreprocessor:
@@ -221,33 +167,44 @@ class ImagePreprocessor:
         self.said: set[str] = set()
 
     def __call__(self, pair: ImagePrompt) -> torch.Tensor:
-        image = load_image(pair, self.flag)
-        self._say_fit(pair, image.width, image.height)
-        return self.processor.preprocess(image, height=self.height, width=self.width).float()
+        image, notes = load_image(pair, self.flag)
+        return self.picture(image, notes, pair.image, pair.where)
 
-    def _say_fit(self, pair: ImagePrompt, width: int, height: int) -> None:
-        notes = {
-            "aspect": (
-                abs((width * self.height) / (height * self.width) - 1) > ASPECT_TOLERANCE,
-                f"is {width}x{height}, another aspect ratio than the run's {self.width}x{self.height}: "
-                "it is stretched to that size without cropping, as stock WanImageToVideoPipeline does",
-                "crop the images to the run's aspect ratio first to keep their proportions",
-            ),
-            "smaller": (
-                width < self.width or height < self.height,
-                f"is {width}x{height}, smaller than the run's {self.width}x{self.height}: it is enlarged "
-                "(Lanczos), as stock WanImageToVideoPipeline does, and the video starts from a blurred frame",
-                "use images at least as large as --width x --height",
-            ),
-        }
-        for kind, (applies, what, advice) in notes.items():
-            if applies and kind not in self.said:
-                self.said.add(kind)
+    def picture(self, image: Any, notes: list[Note], path: Path, where: str) -> torch.Tensor:
+        """`image` (read by distill.data.image_files, with its `notes`) at the run's size; what was
+        done to it is said once per kind of note, naming the first file (`path`, from `where`)."""
+        for note in [*notes, *self._fit_notes(image.width, image.height)]:
+            if note.kind not in self.said:
+                self.said.add(note.kind)
                 logger.warning(
                     "image %s (%s) %s; %s. Other images like it are treated the same without another "
                     "warning.",
-                    pair.image,
-                    pair.where,
-                    what,
-                    advice,
+                    path,
+                    where,
+                    note.text,
+                    note.advice,
                 )
+        return self.processor.preprocess(image, height=self.height, width=self.width).float()
+
+    def _fit_notes(self, width: int, height: int) -> list[Note]:
+        """What the stock preprocessing does to an image of this size, when it changes its look."""
+        notes = []
+        if abs((width * self.height) / (height * self.width) - 1) > ASPECT_TOLERANCE:
+            notes.append(
+                Note(
+                    "aspect",
+                    f"is {width}x{height}, another aspect ratio than the run's {self.width}x{self.height}: "
+                    "it is stretched to that size without cropping, as stock WanImageToVideoPipeline does",
+                    "crop the images to the run's aspect ratio first to keep their proportions",
+                )
+            )
+        if width < self.width or height < self.height:
+            notes.append(
+                Note(
+                    "smaller",
+                    f"is {width}x{height}, smaller than the run's {self.width}x{self.height}: it is enlarged "
+                    "(Lanczos), as stock WanImageToVideoPipeline does, and the video starts from a blurred frame",
+                    "use images at least as large as --width x --height",
+                )
+            )
+        return notes

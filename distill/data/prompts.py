@@ -1,5 +1,7 @@
 """Prompt files: one prompt per line (.txt), a `prompt` column (.csv comma-, .tsv tab-separated,
-with a header line), or JSON lines ({"prompt": "..."} per line, .jsonl).
+with a header line), or JSON lines ({"prompt": "..."} per line, .jsonl); or a folder of videos or
+pictures captioned by .txt files of the same names (distill.data.captioned_folder), whose records
+carry their medium as the `image` field.
 A missing, empty or unreadable file is refused with the flag that named it, and a record that holds
 no usable prompt (a missing field, null, a number, empty text, a row with more fields than its
 header) with its line: training on "None" or on half a prompt would go unnoticed."""
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distill.config.settings import PROMPT_SUFFIXES
+from distill.data.captioned_folder import read_captioned_folder
 from distill.ops.errors import DistillError, Stage
 
 
@@ -29,29 +31,31 @@ class PromptRecord:
     line: int
     prompt: str
     fields: dict[str, Any] = field(default_factory=dict)
+    source: Path | None = None
+    """The file the record was read from when it is not the prompts file itself (a caption file of
+    a folder): the record's line is that file's, and its image is named relative to it."""
 
 
-def read_prompts(path: str | Path, flag: str = "--data_path") -> list[str]:
+def read_prompts(path: str | Path, flag: str = "--data_path", images: bool | None = None) -> list[str]:
     """Prompts from .txt (one a line; blank and '#' lines skipped), .jsonl, .csv or .tsv (a 'prompt' field).
 
     `flag` is the setting the path came from, named in every error.
     """
-    return [record.prompt for record in read_prompt_records(path, flag)]
+    return [record.prompt for record in read_prompt_records(path, flag, images)]
 
 
-def read_prompt_records(path: str | Path, flag: str = "--data_path") -> list[PromptRecord]:
-    """As `read_prompts`, keeping each prompt's line and its record's fields."""
+def read_prompt_records(
+    path: str | Path, flag: str = "--data_path", images: bool | None = None
+) -> list[PromptRecord]:
+    """As `read_prompts`, keeping each prompt's line and its record's fields. `images`: whether the
+    caller pairs every prompt with an image (True), takes text only (False) or either (None): a
+    folder without media then offers a prompts file inside that suits it."""
     path = Path(path)
     if path.is_dir():
-        inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in PROMPT_SUFFIXES)
-        raise _data_error(
-            path,
-            "is a folder; a prompts file is expected",
-            f"pass one file, e.g. {flag} {path / inside[0]}"
-            if inside
-            else "pass a .txt, .jsonl, .csv or .tsv file",
-            flag,
-        )
+        return [
+            PromptRecord(1, item.caption, {"image": item.medium.name}, item.caption_file)
+            for item in read_captioned_folder(path, flag, images)
+        ]
     if not path.is_file():
         raise _data_error(
             path, "file not found", "check the path; data/static_prompts.txt ships with the project", flag

@@ -61,7 +61,7 @@ def read_training_samples(
     if distils_images(kind, path, flag):
         pairs = read_image_prompts(path, flag)[:limit]
         return [TrainingSample(pair.prompt, pair, image_key(pair.image)) for pair in pairs]
-    records = read_prompt_records(path, flag)
+    records = read_prompt_records(path, flag, images=False)
     refuse_images(Path(path), kind, [(record.line, record.fields.get("image")) for record in records], flag)
     return [TrainingSample(record.prompt) for record in records[:limit]]
 
@@ -104,20 +104,21 @@ def _has_image(value: object) -> bool:
 
 def refuse_images(path: Path, kind: TeacherKind, images: Sequence[tuple[int, object]], flag: str) -> None:
     """A text-to-video teacher given prompts paired with images: say so, rather than drop the images."""
-    if path.suffix.lower() not in PAIRED_SUFFIXES:
-        return
     paired = [(line, value) for line, value in images if _has_image(value)]
     if not paired:
         return
     line, value = paired[0]
     raise DistillError(
-        f"{flag} {path} pairs prompts with images ({len(paired)} record(s); line {line}: {value!r}), "
+        f"{flag} {path} pairs prompts with images ({len(paired)} record(s); "
+        f"{'first' if path.is_dir() else f'line {line}'}: {value!r}), "
         f"but the teacher is {kind.model}, which generates from text only",
         "Training would ignore every image: the student would not learn to start its videos from them.",
         fixes=[
             f"to distil image to video, pass the {I2V_A14B.model} teacher with --teacher_path "
             "(python download_wan.py --preset wan2.2-i2v-a14b)",
-            f"to distil text to video, pass a prompts file without the image column (or drop it from {path})",
+            "to distil text to video, pass a .txt file of the captions (one a line)"
+            if path.is_dir()
+            else f"to distil text to video, pass a prompts file without the image column (or drop it from {path})",
         ],
         stage=Stage.DATA,
     )

@@ -31,6 +31,10 @@ class Kind(Enum):
     FOLDER = "an existing folder"
     FILE_OR_FOLDER = "an existing file or folder"
     FOLDER_OR_HUB = "a local folder or a hub id"
+    PROMPTS = (
+        "a prompts file (.txt, .jsonl, .csv, .tsv) or a folder of videos or pictures captioned by "
+        ".txt files of the same names"
+    )
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,8 @@ def _input(item: PathFlag, path: Path) -> None:
     _no_file_above(item, path)
     if item.kind is Kind.FOLDER_OR_HUB or not item.must_exist:
         return  # a hub id, or a loader that names a missing path itself
+    # A prompts source is read by distill.data.prompts, which knows both files and captioned folders:
+    # only its absence is judged here, so that no command refuses a folder the reader would take.
     noun = {Kind.FILE: "file", Kind.FOLDER: "folder"}.get(item.kind, "file or folder")
     raise _refusal(item, path, f"{noun} not found", [_nearby(item, path)])
 

@@ -66,12 +66,12 @@ def read_prompt_set(
         preprocess = ImagePreprocessor(height, width, info.vae_scale_spatial, f"--{flag}")
         return PromptSet([p.prompt for p in pairs], images={i: preprocess(p) for i, p in enumerate(pairs)})
     found = _found(Path(path) if path else DEFAULT_SAMPLE_PROMPTS, flag)
-    return PromptSet(read_prompts(found, f"--{flag}"))
+    return PromptSet(read_prompts(found, f"--{flag}", images=False))
 
 
 def _found(path: Path, flag: str) -> Path:
     shipped = DEFAULT_SAMPLE_PROMPTS.parents[1] / path
-    if not path.is_file() and not path.is_absolute() and shipped.is_file():
+    if not path.exists() and not path.is_absolute() and shipped.is_file():
         return shipped  # "data/sample_prompts.txt" also works when launched from another folder
     if not path.exists():
         raise DistillError(

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from distill.data.image_files import IMAGE_FIX as IMAGE_FILE_FIX
+from distill.data.image_files import ImageFileError, read_image_file
 from distill.data.images import PAIRED_SUFFIXES, PAIRING_FIX, ImagePreprocessor, read_image_prompts
 from distill.data.samples import accepts_images, distils_images, read_training_samples, takes_images
 from distill.models.teacher_kind import I2V_A14B, TeacherKind
@@ -208,25 +210,21 @@ def count_prompts(prompts_file: str | Path, flag: str) -> int:
 
 
 def flag_image(image: str, preprocess: ImagePreprocessor, flag: str = "--image") -> torch.Tensor:
-    """The image `--image` names, read as diffusers' load_image reads it and preprocessed as the
-    stock pipeline does; a missing, damaged or non-image file is refused naming the flag."""
-    from diffusers.utils import load_image
-
+    """The image `--image` names, read as training reads a prompts file's images
+    (distill.data.image_files) and preprocessed as the stock pipeline does, with the same notes; a
+    missing, damaged or non-image file is refused naming the flag."""
     path = Path(image).expanduser()
-    problem = "is a folder, not an image file" if path.is_dir() else "" if path.is_file() else "not found"
-    fix = "pass the image the video starts from (a .png, .jpg or .webp file)"
-    if problem:
-        raise DistillError(f"{flag} {image}: {problem}", fixes=[fix], stage=Stage.ARGV)
     try:
-        picture = load_image(str(path))
-    except (OSError, ValueError, SyntaxError, RuntimeError, IndexError) as exc:
+        picture, notes = read_image_file(path)
+    except ImageFileError as error:
+        fixes = [error.fix] if error.fix == IMAGE_FILE_FIX else [error.fix, IMAGE_FILE_FIX]
         raise DistillError(
-            f"{flag} {image}: not an image that can be read",
-            f"{type(exc).__name__}: {exc}",
-            fixes=["replace it with a complete image file", fix],
-            stage=Stage.DATA,
+            f"{flag} {image}: {error.problem}",
+            error.details,
+            fixes=fixes,
+            stage=Stage.ARGV if error.path_wrong else Stage.DATA,
         ) from None
-    return preprocess.processor.preprocess(picture, height=preprocess.height, width=preprocess.width).float()
+    return preprocess.picture(picture, notes, path, flag)
 
 
 def images_of(images: Sequence[torch.Tensor] | None, index: int) -> torch.Tensor | None:
@@ -240,7 +238,7 @@ def collect_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> 
 
     collected = list(prompts or [])
     if prompts_file:
-        if not Path(prompts_file).is_file():
+        if not Path(prompts_file).exists():  # a file, or a folder of captioned media
             raise DistillError(
                 f"--prompts_file {prompts_file}: file not found",
                 fixes=["check the path; data/sample_prompts.txt ships with the project"],
