@@ -151,7 +151,10 @@ def test_a_damaged_member_is_named_by_file_and_a_complete_copy_is_taken(tmp_path
     assert error.value.stage == Stage.DATA
     assert f"image {folder / 'b.mp4'} cannot be decoded" in error.value.title
     assert str(folder / "b.txt") in error.value.title
-    assert error.value.fixes[0] == "replace it with a complete copy"
+    assert (
+        error.value.fixes[0]
+        == "replace the image with a complete copy, or move b.mp4 and b.txt out of the folder"
+    )
     (folder / "b.mp4").write_bytes(complete)
     assert preprocess(read_image_prompts(folder)[1]).shape == (1, 3, SIZE, SIZE)
 

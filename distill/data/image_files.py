@@ -130,7 +130,7 @@ def read_image_file(path: str | Path) -> tuple[Any, list[Note]]:
         raise ImageFileError(
             "cannot be decoded (cut short or damaged)",
             f"{type(exc).__name__}: {exc}",
-            "replace it with a complete copy",
+            "replace the image with a complete copy",
         ) from None
 
 

@@ -117,7 +117,12 @@ def _missing_image(fields: dict[str, Any], value: Any) -> str:
 
 
 def _pair_error(pair: ImagePrompt, flag: str, error: ImageFileError) -> DistillError:
-    fix = error.fix if error.fix != IMAGE_FILE_FIX else IMAGE_PATH_FIX
+    if error.fix == IMAGE_FILE_FIX:
+        fix = IMAGE_PATH_FIX
+    elif pair.source.suffix.lower() == ".txt":  # a captioned folder's member: its caption is its record
+        fix = f"{error.fix}, or move {pair.image.name} and {pair.source.name} out of the folder"
+    else:
+        fix = f"{error.fix}, or remove the line"
     return _image_error(
         flag, pair.source, f"line {pair.line}: image {pair.image} {error.problem}", fix, error.details
     )
