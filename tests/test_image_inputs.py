@@ -348,3 +348,23 @@ def test_a_file_no_format_recognises_is_refused(tmp_path):
     with pytest.raises(ImageFileError) as error:
         read_image_file(tmp_path / "x.png")
     assert "is not an image" in error.value.problem and not error.value.path_wrong
+
+
+def test_a_dry_run_decodes_every_image_so_the_real_run_can_read_what_it_passed(world, tmp_path, capsys):
+    """Class 3's last member: a header check passes an image cut short, which the real run would only
+    find after the teacher loads; the dry run decodes it and names the file, and the complete copy
+    then passes (exit 0)."""
+    picture = tmp_path / "start.png"
+    PIL.Image.fromarray(np.full((SIZE, SIZE, 3), 120, dtype=np.uint8)).save(picture)
+    complete = picture.read_bytes()
+    picture.write_bytes(complete[:60])  # the header survives, the pixels do not
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "a grey clip", "image": "start.png"}) + "\n")
+    args = [*world["args"], "--data_path", str(pairs), "--output_dir", str(tmp_path / "out"), "--dry_run"]
+    assert train(args) == 6
+    title, err = banner(capsys)
+    assert f"--data_path {pairs}: line 1: image {picture} cannot be decoded" in title
+    assert "replace the image with a complete copy, or remove the line" in err
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    picture.write_bytes(complete)
+    assert train(args) == 0

@@ -152,6 +152,16 @@ def load_image(pair: ImagePrompt, flag: str = "--data_path") -> tuple[Any, list[
         raise _pair_error(pair, flag, error) from None
 
 
+def decode_images(pairs: list[ImagePrompt], flag: str = "--data_path") -> None:
+    """Decode every pair's image in full, refusing the first that fails (naming its file and line).
+
+    A header check passes a file cut short; a real run only decodes its images when it caches their
+    latents, after the teacher has loaded. A dry run calls this so that what it validates, the real run
+    can read: decoding is a few milliseconds an image, against minutes of teacher loading."""
+    for pair in pairs:
+        load_image(pair, flag)
+
+
 class ImagePreprocessor:
     """The stock WanImageToVideoPipeline's image preprocessing at the run's size.
 
