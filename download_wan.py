@@ -58,6 +58,7 @@ from distill.models.layout import (
     present_entries,
     safetensors_problem,
 )
+from distill.models.teacher_kind import KINDS, T2V_A14B, describe_folder
 from distill.ops.command import Parser, PathAction, entry_point, integer
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.paths import Kind
@@ -73,20 +74,29 @@ class Preset:
     """The entries that must be present after the download (see distill.models.layout)."""
     role: str
     """What the download is for, shown to the user."""
+    kind: Any = None
+    """The Wan 2.2 teacher kind it is (distill/models/teacher_kind.py), None for a student's start."""
+    experts: int = 2
+    """The transformers its model_index.json lists: what tells a Wan2.1 model from an A14B teacher."""
 
 
+# The teachers' presets are their kinds' (`TeacherKind.preset`), so every fix that names a download
+# (TeacherKind.download_command) names one this script accepts.
 PRESETS = {
-    "wan2.2-t2v-a14b": Preset("Wan-AI/Wan2.2-T2V-A14B-Diffusers", DIFFUSERS_COMPONENTS, "teacher"),
-    # The image-to-video teacher: the same components (no image encoder), 36 input channels.
-    "wan2.2-i2v-a14b": Preset("Wan-AI/Wan2.2-I2V-A14B-Diffusers", DIFFUSERS_COMPONENTS, "teacher"),
-    # Text or image to video on one GPU: one transformer (no transformer_2/), the 48-channel Wan2.2 VAE.
-    "wan2.2-ti2v-5b": Preset("Wan-AI/Wan2.2-TI2V-5B-Diffusers", ONE_TRANSFORMER_COMPONENTS, "teacher"),
-    # Only the transformer is used: it initialises the student. Its VAE and text encoder are
-    # the same as the teacher's, which the teacher download already provides.
-    "wan2.1-t2v-1.3b": Preset(
-        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", ("transformer/",), "student initialisation"
-    ),
+    kind.preset: Preset(
+        kind.repo_id,
+        DIFFUSERS_COMPONENTS if kind.experts == 2 else ONE_TRANSFORMER_COMPONENTS,
+        "teacher",
+        kind,
+        kind.experts,
+    )
+    for kind in KINDS
 }
+# Only the transformer is used: it initialises the student. Its VAE and text encoder are the same as
+# the teacher's, which the teacher download already provides.
+PRESETS["wan2.1-t2v-1.3b"] = Preset(
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", ("transformer/",), "student initialisation", T2V_A14B, 1
+)
 DEFAULT_PRESET = "wan2.2-t2v-a14b"
 # --toy_kind: the trained toy teachers shipped in assets/ (distill/toy/shipped.py TOY_TEACHERS).
 TOY_KINDS = ("t2v", "i2v")
@@ -238,7 +248,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--seed", type=integer(0), help="with --tiny: seed of the random weights (default: 0)"
     )
-    parser.add_argument("--overwrite", action="store_true", help="with --tiny: replace a non-empty DIR")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with --tiny or --toy: replace a DIR that holds anything else (without it such a DIR is "
+        "refused; one that already holds what the command writes is kept as it is)",
+    )
     parser.add_argument(
         "--layout",
         choices=("diffusers", "original"),
@@ -296,6 +311,7 @@ def download(args: argparse.Namespace) -> int:
     """Fetch the repository with resumable snapshot_download, then check what arrived."""
     preset = _resolve_preset(args.preset, args.repo_id)
     local_dir = Path(args.local_dir or Path("models") / preset.repo_id.split("/")[-1])
+    refuse_other_model(preset, local_dir)
     token = args.token or os.environ.get("HF_TOKEN") or None
     check = _check_configs if args.configs_only else _check_download
     if _offline_requested():
@@ -313,6 +329,43 @@ def download(args: argparse.Namespace) -> int:
         print("\nInterrupted: run the same command again to resume the download.", file=sys.stderr)
         return 130  # the shell's code for Ctrl-C
     return check(preset, local_dir)
+
+
+def refuse_other_model(preset: Preset, local_dir: Path) -> None:
+    """A download only adds files: into a folder that holds another model it would leave two models'
+    files mixed, which is no model at all (the one overwrite rule, distill/ops/replace.py: never
+    replaced by another model). Refused before anything is fetched, with no flag to force it; a
+    folder whose files name no model (empty, a download cut short early) is resumed."""
+    from distill.models.teacher_kind import read_teacher_kind
+    from distill.ops.replace import free_sibling, replace_refusal
+
+    try:
+        reading = read_teacher_kind(local_dir)
+    except DistillError:  # files of two models already: refused too, it names none to resume
+        reading = None
+    else:
+        # Nothing that names a model (empty, a download cut short early): resumed. The same model
+        # (kind and transformer count, Wan2.1 against A14B) too; an unknown --repo_id has no kind.
+        if reading is None or (reading.kind == preset.kind and reading.experts in (None, preset.experts)):
+            return
+    default = Path("models") / preset.repo_id.split("/")[-1]
+    new = default if not default.exists() else free_sibling(local_dir)
+    ours = next((name for name, p in PRESETS.items() if p.repo_id == preset.repo_id), None)
+    source = f"--preset {ours}" if ours else f"--repo_id {preset.repo_id}"
+    refusal = replace_refusal(
+        local_dir,
+        "--local_dir",
+        describe_folder(local_dir),
+        f"the files of {preset.repo_id} ({preset.role})",
+        overwrite_flag=None,
+        new_folder=f"download into a new folder: python download_wan.py {source} --local_dir {new}",
+    )
+    kind = reading.kind if reading is not None and reading.experts in (None, reading.kind.experts) else None
+    if kind is not None:
+        refusal.fixes.append(
+            f"or resume the download of the model it holds: {kind.download_command(local_dir)}"
+        )
+    raise refusal
 
 
 def _check_configs(preset: Preset, local_dir: Path) -> int:
