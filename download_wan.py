@@ -58,7 +58,7 @@ from distill.models.layout import (
     present_entries,
     safetensors_problem,
 )
-from distill.models.teacher_kind import KINDS, T2V_A14B, describe_folder
+from distill.models.teacher_kind import KINDS, T2V_A14B, TeacherKind, describe_folder, resume_command
 from distill.ops.command import Parser, PathAction, entry_point, integer
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.paths import Kind
@@ -318,13 +318,13 @@ def download(args: argparse.Namespace) -> int:
         # Decided here rather than by snapshot_download, which returns a partial local_dir with
         # only a warning when offline.
         if missing_components(local_dir, preset.required):
-            raise hub_unreachable(preset, local_dir, "HF_HUB_OFFLINE is set")
+            raise hub_unreachable(preset, local_dir, "HF_HUB_OFFLINE is set", args.configs_only)
         print(f"HF_HUB_OFFLINE is set: not contacting the Hub, checking the existing {local_dir}")
         return check(preset, local_dir)
     what = "its configs only" if args.configs_only else "resumes if interrupted"
     print(f"Downloading {preset.repo_id} ({preset.role}) into {local_dir} ({what})")
     try:
-        _snapshot(preset, local_dir, args.revision, token, CONFIG_PATTERNS if args.configs_only else None)
+        _snapshot(preset, local_dir, args.revision, token, args.configs_only)
     except KeyboardInterrupt:
         print("\nInterrupted: run the same command again to resume the download.", file=sys.stderr)
         return 130  # the shell's code for Ctrl-C
@@ -425,14 +425,14 @@ def _snapshot(
     local_dir: Path,
     revision: str | None,
     token: str | None,
-    allow_patterns: Sequence[str] | None = None,
+    configs_only: bool = False,
 ) -> None:
     # Imported here so that --help and --verify stay fast.
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     repo_id = preset.repo_id
-    patterns = {"allow_patterns": list(allow_patterns)} if allow_patterns else {}
+    patterns = {"allow_patterns": list(CONFIG_PATTERNS)} if configs_only else {}
     try:
         snapshot_download(repo_id=repo_id, local_dir=local_dir, revision=revision, token=token, **patterns)
     except GatedRepoError as error:
@@ -448,7 +448,7 @@ def _snapshot(
         raise _access_error(repo_id, "the repository was not found or needs a login", error) from None
     except Exception as error:
         if _is_network_error(error):
-            raise hub_unreachable(preset, local_dir, _network_reason(error)) from None
+            raise hub_unreachable(preset, local_dir, _network_reason(error), configs_only) from None
         if _http_status(error) in (401, 403):
             raise _access_error(repo_id, "the Hub refused the token", error) from None
         if isinstance(error, OSError) and error.errno == errno.ENOSPC:
@@ -488,8 +488,10 @@ def _check_download(preset: Preset, local_dir: Path) -> int:
     return 0
 
 
-def hub_unreachable(preset: Preset, local_dir: Path, reason: str) -> DistillError:
-    """The banner for a machine that cannot reach huggingface.co: how to copy the weights by hand."""
+def hub_unreachable(preset: Preset, local_dir: Path, reason: str, configs_only: bool = False) -> DistillError:
+    """The banner for a machine that cannot reach huggingface.co: how to copy the files by hand, the
+    configs alone for --configs_only (well under a MB, not the whole model), and the tiny teacher of the
+    same model to try the trainer meanwhile."""
     repo_id, name = preset.repo_id, local_dir.name
     if _offline_requested():
         causes = ["HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1) is set: unset it on a machine with internet."]
@@ -498,21 +500,38 @@ def hub_unreachable(preset: Preset, local_dir: Path, reason: str) -> DistillErro
             "This machine has no internet access (air-gapped cluster, firewall, DNS failure).",
             "A proxy is required but HTTPS_PROXY is not set.",
         ]
-    if _whole_teacher(preset):
+    names = {p.repo_id: n for n, p in PRESETS.items()}
+    source = f"--preset {names[repo_id]}" if repo_id in names else f"--repo_id {repo_id}"
+    include = " ".join(f"'{pattern}'" for pattern in CONFIG_PATTERNS) if configs_only else ""
+    fetch = f"hf download {repo_id}{f' --include {include}' if include else ''} --local-dir {name}"
+    old_cli = fetch.replace("hf download", "huggingface-cli download", 1)
+    if configs_only:
+        check = (
+            "Check them here, without the network: HF_HUB_OFFLINE=1 python download_wan.py --configs_only "
+            f"{source} --local_dir {local_dir}"
+        )
+    elif _whole_teacher(preset):
         check = f"Check it: python download_wan.py --verify {local_dir}"
     else:
         check = f"Only {', '.join(preset.required)} is used: check it holds config.json and *.safetensors."
+    what = "the configs of " if configs_only else ""
+    need = (
+        "\nThe configs are well under a MB, but they come from the Hub like the weights: fetch them once "
+        "where huggingface.co can be reached (or HF_ENDPOINT names a mirror), then copy them here."
+        if configs_only
+        else ""
+    )
+    kind = preset.kind if isinstance(preset.kind, TeacherKind) else T2V_A14B
     return DistillError(
         "The Hugging Face Hub cannot be reached",
-        f"Could not download {repo_id} ({preset.role}): {reason}",
+        f"Could not download {what}{repo_id} ({preset.role}): {reason}{need}",
         causes=causes,
         fixes=[
-            f"On a machine with internet run: hf download {repo_id} --local-dir {name}"
-            f"  (huggingface_hub < 1.0: huggingface-cli download {repo_id} --local-dir {name})",
+            f"On a machine with internet run: {fetch}  (huggingface_hub < 1.0: {old_cli})",
             f"Copy the folder to this machine: rsync -a --partial {name}/ <this-host>:{local_dir.absolute()}/"
             "  (or scp -r)",
             check,
-            "To try the trainer without any weights: python download_wan.py --tiny outputs/tiny_teacher",
+            f"To try the trainer without any weights: {kind.tiny_command()}",
         ],
         stage=Stage.TEACHER_LOAD,
     )
@@ -601,7 +620,8 @@ def verify(folder: Path, any_kind: bool = False) -> int:
             _problem_details(folder, problems),
             causes=causes,
             fixes=[
-                "Resume the download: python download_wan.py --local_dir " + str(folder),
+                # The preset of the model its files name: the download refuses any other into it.
+                f"Resume the download: {resume_command(folder, reading.kind if reading else None)}",
                 "Or copy the missing parts from a complete copy, then run --verify again.",
                 f"An ORIGINAL layout folder converts with: python download_wan.py --convert {folder} "
                 f"{folder}-Diffusers",

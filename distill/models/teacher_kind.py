@@ -91,7 +91,8 @@ class TeacherKind:
 
     def tiny_command(self, folder: str | Path | None = None) -> str:
         """The command that writes a tiny random teacher of this model (no network)."""
-        where = folder if folder is not None else f"outputs/tiny_{self.short}_teacher"
+        default = "outputs/tiny_teacher" if self == T2V_A14B else f"outputs/tiny_{self.short}_teacher"
+        where = folder if folder is not None else default
         return f"python download_wan.py --tiny {where}" + (
             "" if self == T2V_A14B else f" --tiny_kind {self.short}"
         )
@@ -172,6 +173,21 @@ def read_teacher_kind(folder: str | Path) -> KindReading | None:
     return None
 
 
+def student_starts(kind: TeacherKind, flag: str = "--student_init") -> list[str]:
+    """The starting points a student of `kind` accepts, as fixes, the one that needs no download
+    first: the teacher's own blocks, a student of a run on this model, then the published
+    transformers that fit it (none fits TI2V-5B, so none is named for it)."""
+    widened = " (its input is widened)" if kind.in_channels != kind.out_channels else ""
+    return [
+        f"start from this teacher's own blocks: {flag} teacher",
+        f"or from a student of {kind.model}: {flag} <the student/ folder of a run on a {kind.model} teacher>",
+        *(
+            f"or from a published transformer that fits it: {flag} {repo}{widened}"
+            for repo in kind.starting_points
+        ),
+    ]
+
+
 def folder_kind(folder: str | Path) -> TeacherKind | None:
     """The kind `folder`'s files name, for advice: None where they name none or disagree (the
     reading that refuses those is `read_teacher_kind`)."""
@@ -180,6 +196,13 @@ def folder_kind(folder: str | Path) -> TeacherKind | None:
     except DistillError:
         return None
     return reading.kind if reading is not None else None
+
+
+def resume_command(folder: str | Path, kind: TeacherKind | None = None) -> str:
+    """The command that completes the download in `folder` with the model its files name (`kind`
+    where the caller knows it): the download refuses a folder of another model, so a fix that names a
+    download must name this one's preset. The text-to-video teacher where the files name none."""
+    return (kind or folder_kind(folder) or T2V_A14B).download_command(folder)
 
 
 def describe_folder(folder: str | Path) -> str:

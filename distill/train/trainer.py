@@ -401,7 +401,7 @@ class Distiller:
 
     def check_checkpoint(self, path: Path, meta: dict[str, Any]) -> None:
         """Refuse to resume a checkpoint made for another student, teacher or prompt set (unless forced)."""
-        check_identity(path, meta, self.identity(), self.cfg.force_resume)
+        check_identity(path, meta, self.identity(), self.cfg.force_resume, self.samples, self.cfg.num_steps)
 
     def check_output_dir(self) -> None:
         """Before any heavy work: never overwrite another run's checkpoints, never resume a foreign one

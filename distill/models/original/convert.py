@@ -172,7 +172,7 @@ def convert_original(src: str | Path, dst: str | Path) -> Path:
             ],
             fixes=[
                 f"python download_wan.py --convert {src} <new folder>   # shows which component fails",
-                "or download the diffusers layout: python download_wan.py",
+                f"or download the diffusers layout: {kind.download_command()}",
             ],
             stage=Stage.TEACHER_LOAD,
         ) from error

@@ -220,23 +220,22 @@ def incomplete_error(folder: Path, problems: list[str]) -> DistillError:
     expected = [f"{CONFIGURATION_FILE} (optional)", *layout.required]
     if layout is ONE_MODEL:
         expected.append(f"{WEIGHTS_NAME}-0000N-of-0000M.safetensors + {WEIGHTS_NAME}.safetensors.index.json")
-    diffusers = f"{layout.release}-Diffusers"
-    local = f"models/{diffusers.split('/')[1]}"
-    use_diffusers = (
-        f"python download_wan.py --local_dir {local}"
-        if layout is TWO_EXPERTS
-        else f"hf download {diffusers} --local-dir {local}"  # download_wan.py has no TI2V-5B preset
-    )
+    # The release of the model its config names (the I2V teacher shares the T2V one's shape); where
+    # none says, the model of that shape.
+    from distill.models.teacher_kind import T2V_A14B, TI2V_5B, folder_kind
+
+    kind = folder_kind(folder) or (TI2V_5B if layout is ONE_MODEL else T2V_A14B)
+    release = kind.repo_id.removesuffix("-Diffusers")
     return DistillError(
         f"the ORIGINAL Wan layout at {folder} is incomplete",
         "Problems:\n"
         + "\n".join(f"- {p}" for p in problems)
-        + f"\nExpected ({layout.release}): {', '.join(expected)}"
+        + f"\nExpected ({release}): {', '.join(expected)}"
         + f"\nFound: {', '.join(present_entries(folder)) or 'nothing'}",
         causes=["the download or copy was interrupted", "only some files of the release were copied"],
         fixes=[
-            f"resume the download: hf download {layout.release} --local-dir {folder}",
-            f"or use the diffusers layout: {use_diffusers}",
+            f"resume the download: hf download {release} --local-dir {folder}",
+            f"or use the diffusers layout: {kind.download_command()}",
         ],
         stage=Stage.TEACHER_LOAD,
     )
