@@ -96,7 +96,7 @@ class Distiller:
             configs_only=cfg.dry_run,
         )
         if not cfg.dry_run:  # a dry run plans from the configs alone (download_wan.py --configs_only)
-            require_weights(self.info.path)
+            require_weights(self.info.path, self.info.kind.download_command(self.info.path))
         # Refuse a student that cannot work with this teacher before loading anything heavy.
         self.student_config = (
             dict(self.info.expert_config)

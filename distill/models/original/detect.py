@@ -215,17 +215,14 @@ def expert_shards(folder: Path, prefix: str = "") -> list[Path]:
     return [folder / n for n in names]
 
 
-def incomplete_error(folder: Path, problems: list[str]) -> DistillError:
+def incomplete_error(folder: Path, problems: list[str], release: str, download: str) -> DistillError:
+    """The banner of an original folder missing parts: `release` the hub id of the model its config
+    names, `download` the command that fetches that model's diffusers layout (convert.py reads the
+    kind: this module stays below teacher_kind)."""
     layout = original_layout(folder)
     expected = [f"{CONFIGURATION_FILE} (optional)", *layout.required]
     if layout is ONE_MODEL:
         expected.append(f"{WEIGHTS_NAME}-0000N-of-0000M.safetensors + {WEIGHTS_NAME}.safetensors.index.json")
-    # The release of the model its config names (the I2V teacher shares the T2V one's shape); where
-    # none says, the model of that shape.
-    from distill.models.teacher_kind import T2V_A14B, TI2V_5B, folder_kind
-
-    kind = folder_kind(folder) or (TI2V_5B if layout is ONE_MODEL else T2V_A14B)
-    release = kind.repo_id.removesuffix("-Diffusers")
     return DistillError(
         f"the ORIGINAL Wan layout at {folder} is incomplete",
         "Problems:\n"
@@ -235,7 +232,7 @@ def incomplete_error(folder: Path, problems: list[str]) -> DistillError:
         causes=["the download or copy was interrupted", "only some files of the release were copied"],
         fixes=[
             f"resume the download: hf download {release} --local-dir {folder}",
-            f"or use the diffusers layout: {kind.download_command()}",
+            f"or use the diffusers layout: {download}",
         ],
         stage=Stage.TEACHER_LOAD,
     )
