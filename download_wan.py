@@ -58,6 +58,7 @@ from distill.models.layout import (
     present_entries,
     safetensors_problem,
 )
+from distill.models.teacher_kind import KINDS, T2V_A14B, TeacherKind, describe_folder, resume_command
 from distill.ops.command import Parser, PathAction, entry_point, integer
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.paths import Kind
@@ -73,20 +74,29 @@ class Preset:
     """The entries that must be present after the download (see distill.models.layout)."""
     role: str
     """What the download is for, shown to the user."""
+    kind: Any = None
+    """The Wan 2.2 teacher kind it is (distill/models/teacher_kind.py), None for a student's start."""
+    experts: int = 2
+    """The transformers its model_index.json lists: what tells a Wan2.1 model from an A14B teacher."""
 
 
+# The teachers' presets are their kinds' (`TeacherKind.preset`), so every fix that names a download
+# (TeacherKind.download_command) names one this script accepts.
 PRESETS = {
-    "wan2.2-t2v-a14b": Preset("Wan-AI/Wan2.2-T2V-A14B-Diffusers", DIFFUSERS_COMPONENTS, "teacher"),
-    # The image-to-video teacher: the same components (no image encoder), 36 input channels.
-    "wan2.2-i2v-a14b": Preset("Wan-AI/Wan2.2-I2V-A14B-Diffusers", DIFFUSERS_COMPONENTS, "teacher"),
-    # Text or image to video on one GPU: one transformer (no transformer_2/), the 48-channel Wan2.2 VAE.
-    "wan2.2-ti2v-5b": Preset("Wan-AI/Wan2.2-TI2V-5B-Diffusers", ONE_TRANSFORMER_COMPONENTS, "teacher"),
-    # Only the transformer is used: it initialises the student. Its VAE and text encoder are
-    # the same as the teacher's, which the teacher download already provides.
-    "wan2.1-t2v-1.3b": Preset(
-        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", ("transformer/",), "student initialisation"
-    ),
+    kind.preset: Preset(
+        kind.repo_id,
+        DIFFUSERS_COMPONENTS if kind.experts == 2 else ONE_TRANSFORMER_COMPONENTS,
+        "teacher",
+        kind,
+        kind.experts,
+    )
+    for kind in KINDS
 }
+# Only the transformer is used: it initialises the student. Its VAE and text encoder are the same as
+# the teacher's, which the teacher download already provides.
+PRESETS["wan2.1-t2v-1.3b"] = Preset(
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", ("transformer/",), "student initialisation", T2V_A14B, 1
+)
 DEFAULT_PRESET = "wan2.2-t2v-a14b"
 # --toy_kind: the trained toy teachers shipped in assets/ (distill/toy/shipped.py TOY_TEACHERS).
 TOY_KINDS = ("t2v", "i2v")
@@ -238,7 +248,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--seed", type=integer(0), help="with --tiny: seed of the random weights (default: 0)"
     )
-    parser.add_argument("--overwrite", action="store_true", help="with --tiny: replace a non-empty DIR")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with --tiny or --toy: replace a DIR that holds anything else (without it such a DIR is "
+        "refused; one that already holds what the command writes is kept as it is)",
+    )
     parser.add_argument(
         "--layout",
         choices=("diffusers", "original"),
@@ -296,23 +311,61 @@ def download(args: argparse.Namespace) -> int:
     """Fetch the repository with resumable snapshot_download, then check what arrived."""
     preset = _resolve_preset(args.preset, args.repo_id)
     local_dir = Path(args.local_dir or Path("models") / preset.repo_id.split("/")[-1])
+    refuse_other_model(preset, local_dir)
     token = args.token or os.environ.get("HF_TOKEN") or None
     check = _check_configs if args.configs_only else _check_download
     if _offline_requested():
         # Decided here rather than by snapshot_download, which returns a partial local_dir with
         # only a warning when offline.
         if missing_components(local_dir, preset.required):
-            raise hub_unreachable(preset, local_dir, "HF_HUB_OFFLINE is set")
+            raise hub_unreachable(preset, local_dir, "HF_HUB_OFFLINE is set", args.configs_only)
         print(f"HF_HUB_OFFLINE is set: not contacting the Hub, checking the existing {local_dir}")
         return check(preset, local_dir)
     what = "its configs only" if args.configs_only else "resumes if interrupted"
     print(f"Downloading {preset.repo_id} ({preset.role}) into {local_dir} ({what})")
     try:
-        _snapshot(preset, local_dir, args.revision, token, CONFIG_PATTERNS if args.configs_only else None)
+        _snapshot(preset, local_dir, args.revision, token, args.configs_only)
     except KeyboardInterrupt:
         print("\nInterrupted: run the same command again to resume the download.", file=sys.stderr)
         return 130  # the shell's code for Ctrl-C
     return check(preset, local_dir)
+
+
+def refuse_other_model(preset: Preset, local_dir: Path) -> None:
+    """A download only adds files: into a folder that holds another model it would leave two models'
+    files mixed, which is no model at all (the one overwrite rule, distill/ops/replace.py: never
+    replaced by another model). Refused before anything is fetched, with no flag to force it; a
+    folder whose files name no model (empty, a download cut short early) is resumed."""
+    from distill.models.teacher_kind import read_teacher_kind
+    from distill.ops.replace import free_sibling, replace_refusal
+
+    try:
+        reading = read_teacher_kind(local_dir)
+    except DistillError:  # files of two models already: refused too, it names none to resume
+        reading = None
+    else:
+        # Nothing that names a model (empty, a download cut short early): resumed. The same model
+        # (kind and transformer count, Wan2.1 against A14B) too; an unknown --repo_id has no kind.
+        if reading is None or (reading.kind == preset.kind and reading.experts in (None, preset.experts)):
+            return
+    default = Path("models") / preset.repo_id.split("/")[-1]
+    new = default if not default.exists() else free_sibling(local_dir)
+    ours = next((name for name, p in PRESETS.items() if p.repo_id == preset.repo_id), None)
+    source = f"--preset {ours}" if ours else f"--repo_id {preset.repo_id}"
+    refusal = replace_refusal(
+        local_dir,
+        "--local_dir",
+        describe_folder(local_dir),
+        f"the files of {preset.repo_id} ({preset.role})",
+        overwrite_flag=None,
+        new_folder=f"download into a new folder: python download_wan.py {source} --local_dir {new}",
+    )
+    kind = reading.kind if reading is not None and reading.experts in (None, reading.kind.experts) else None
+    if kind is not None:
+        refusal.fixes.append(
+            f"or resume the download of the model it holds: {kind.download_command(local_dir)}"
+        )
+    raise refusal
 
 
 def _check_configs(preset: Preset, local_dir: Path) -> int:
@@ -372,14 +425,14 @@ def _snapshot(
     local_dir: Path,
     revision: str | None,
     token: str | None,
-    allow_patterns: Sequence[str] | None = None,
+    configs_only: bool = False,
 ) -> None:
     # Imported here so that --help and --verify stay fast.
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     repo_id = preset.repo_id
-    patterns = {"allow_patterns": list(allow_patterns)} if allow_patterns else {}
+    patterns = {"allow_patterns": list(CONFIG_PATTERNS)} if configs_only else {}
     try:
         snapshot_download(repo_id=repo_id, local_dir=local_dir, revision=revision, token=token, **patterns)
     except GatedRepoError as error:
@@ -395,7 +448,7 @@ def _snapshot(
         raise _access_error(repo_id, "the repository was not found or needs a login", error) from None
     except Exception as error:
         if _is_network_error(error):
-            raise hub_unreachable(preset, local_dir, _network_reason(error)) from None
+            raise hub_unreachable(preset, local_dir, _network_reason(error), configs_only) from None
         if _http_status(error) in (401, 403):
             raise _access_error(repo_id, "the Hub refused the token", error) from None
         if isinstance(error, OSError) and error.errno == errno.ENOSPC:
@@ -435,8 +488,10 @@ def _check_download(preset: Preset, local_dir: Path) -> int:
     return 0
 
 
-def hub_unreachable(preset: Preset, local_dir: Path, reason: str) -> DistillError:
-    """The banner for a machine that cannot reach huggingface.co: how to copy the weights by hand."""
+def hub_unreachable(preset: Preset, local_dir: Path, reason: str, configs_only: bool = False) -> DistillError:
+    """The banner for a machine that cannot reach huggingface.co: how to copy the files by hand, the
+    configs alone for --configs_only (well under a MB, not the whole model), and the tiny teacher of the
+    same model to try the trainer meanwhile."""
     repo_id, name = preset.repo_id, local_dir.name
     if _offline_requested():
         causes = ["HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1) is set: unset it on a machine with internet."]
@@ -445,21 +500,38 @@ def hub_unreachable(preset: Preset, local_dir: Path, reason: str) -> DistillErro
             "This machine has no internet access (air-gapped cluster, firewall, DNS failure).",
             "A proxy is required but HTTPS_PROXY is not set.",
         ]
-    if _whole_teacher(preset):
+    names = {p.repo_id: n for n, p in PRESETS.items()}
+    source = f"--preset {names[repo_id]}" if repo_id in names else f"--repo_id {repo_id}"
+    include = " ".join(f"'{pattern}'" for pattern in CONFIG_PATTERNS) if configs_only else ""
+    fetch = f"hf download {repo_id}{f' --include {include}' if include else ''} --local-dir {name}"
+    old_cli = fetch.replace("hf download", "huggingface-cli download", 1)
+    if configs_only:
+        check = (
+            "Check them here, without the network: HF_HUB_OFFLINE=1 python download_wan.py --configs_only "
+            f"{source} --local_dir {local_dir}"
+        )
+    elif _whole_teacher(preset):
         check = f"Check it: python download_wan.py --verify {local_dir}"
     else:
         check = f"Only {', '.join(preset.required)} is used: check it holds config.json and *.safetensors."
+    what = "the configs of " if configs_only else ""
+    need = (
+        "\nThe configs are well under a MB, but they come from the Hub like the weights: fetch them once "
+        "where huggingface.co can be reached (or HF_ENDPOINT names a mirror), then copy them here."
+        if configs_only
+        else ""
+    )
+    kind = preset.kind if isinstance(preset.kind, TeacherKind) else T2V_A14B
     return DistillError(
         "The Hugging Face Hub cannot be reached",
-        f"Could not download {repo_id} ({preset.role}): {reason}",
+        f"Could not download {what}{repo_id} ({preset.role}): {reason}{need}",
         causes=causes,
         fixes=[
-            f"On a machine with internet run: hf download {repo_id} --local-dir {name}"
-            f"  (huggingface_hub < 1.0: huggingface-cli download {repo_id} --local-dir {name})",
+            f"On a machine with internet run: {fetch}  (huggingface_hub < 1.0: {old_cli})",
             f"Copy the folder to this machine: rsync -a --partial {name}/ <this-host>:{local_dir.absolute()}/"
             "  (or scp -r)",
             check,
-            "To try the trainer without any weights: python download_wan.py --tiny outputs/tiny_teacher",
+            f"To try the trainer without any weights: {kind.tiny_command()}",
         ],
         stage=Stage.TEACHER_LOAD,
     )
@@ -548,7 +620,8 @@ def verify(folder: Path, any_kind: bool = False) -> int:
             _problem_details(folder, problems),
             causes=causes,
             fixes=[
-                "Resume the download: python download_wan.py --local_dir " + str(folder),
+                # The preset of the model its files name: the download refuses any other into it.
+                f"Resume the download: {resume_command(folder, reading.kind if reading else None)}",
                 "Or copy the missing parts from a complete copy, then run --verify again.",
                 f"An ORIGINAL layout folder converts with: python download_wan.py --convert {folder} "
                 f"{folder}-Diffusers",

@@ -135,7 +135,10 @@ def test_a_real_run_on_configs_only_stops_naming_the_folder_and_the_download(
     assert main(train_args(configs_only_teacher, tmp_path / "out", tmp_path / "cache")) == 5
     err = capsys.readouterr().err
     assert f"the teacher folder {configs_only_teacher} holds configs but no weights yet" in err
-    assert f"python download_wan.py --local_dir {configs_only_teacher}" in err and "Traceback" not in err
+    assert (
+        f"python download_wan.py --preset wan2.2-t2v-a14b --local_dir {configs_only_teacher}" in err
+        and "Traceback" not in err
+    )
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
 
 

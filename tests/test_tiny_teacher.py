@@ -143,19 +143,26 @@ def test_refuses_a_foreign_folder_unless_overwrite(tmp_path: Path) -> None:
     target = tmp_path / "models"
     target.mkdir()
     (target / "precious.txt").write_text("keep me")
-    with pytest.raises(DistillError, match="Refusing to overwrite") as caught:
+    with pytest.raises(DistillError, match="already holds files of its own: refusing to replace") as caught:
         write_tiny_teacher(target)
-    assert "precious.txt" in caught.value.details
+    assert "precious.txt" in caught.value.details and "--overwrite" in " ".join(caught.value.fixes)
     assert (target / "precious.txt").read_text() == "keep me"
 
     write_tiny_teacher(target, overwrite=True)
     assert is_tiny_teacher(target) and not (target / "precious.txt").exists()
 
 
-def test_replaces_an_existing_tiny_teacher(tiny_teacher: Path, tmp_path: Path) -> None:
+def test_replaces_a_tiny_teacher_of_another_seed_only_with_overwrite(
+    tiny_teacher: Path, tmp_path: Path
+) -> None:
+    """The same seed writes the same files (kept as they are); another seed's weights replace them only
+    with overwrite (distill/ops/replace.py: a folder is never replaced without the flag)."""
     target = tmp_path / "teacher"
     shutil.copytree(tiny_teacher, target)
-    write_tiny_teacher(target, seed=7)
+    write_tiny_teacher(target, seed=0)
+    with pytest.raises(DistillError, match="already holds a Wan2.2-T2V-A14B teacher"):
+        write_tiny_teacher(target, seed=7)
+    write_tiny_teacher(target, seed=7, overwrite=True)
     weights = "transformer/diffusion_pytorch_model.safetensors"
     assert (target / weights).read_bytes() != (tiny_teacher / weights).read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["teacher"]  # no staging leftovers

@@ -42,7 +42,7 @@ def test_toy_download_writes_a_complete_a14b_teacher(toy_teacher, tmp_path, caps
 
     out = tmp_path / "toy"
     assert download_main(["--toy", str(out)]) == 0
-    assert download_main(["--toy", str(out)]) == 0  # a toy teacher may be replaced
+    assert download_main(["--toy", str(out)]) == 0  # the same toy teacher again: kept as it is
     assert "toy Wan 2.2" in capsys.readouterr().out
     assert download_main(["--toy", str(out), "--seed", "7"]) != 0
     assert "--retrain --seed 7" in capsys.readouterr().err

@@ -192,8 +192,10 @@ class TrainConfig:
     )
 
     # --- clean latents ----------------------------------------------------------------------
-    height: int = _opt(480, "Training (and sampling) height in pixels; a multiple of 8 x the patch size.")
-    width: int = _opt(832, "Training width in pixels; a multiple of 8 x the patch size.")
+    height: int = _opt(
+        480, "Training (and sampling) height in pixels; a multiple of 16 (A14B teachers) or 32 (TI2V-5B)."
+    )
+    width: int = _opt(832, "Training width in pixels; a multiple of 16 (A14B teachers) or 32 (TI2V-5B).")
     num_frames: int = _opt(1, "Frames per sample: 1 = image mode, 4k+1 = video.")
     teacher_sample_steps: int = _opt(40, "Teacher sampler steps used to make each clean latent x0.")
     max_prompts: int | None = _opt(None, "Use only the first N prompts of --data_path (quick trials).")
@@ -397,14 +399,9 @@ class TrainConfig:
                 f"must be 4k+1 (the Wan VAE compresses time by 4), got {self.num_frames}",
                 f"use --num_frames 1 for images or --num_frames {4 * k + 1} for video",
             )
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            if value % 16:
-                raise config_error(
-                    name,
-                    f"must be a multiple of 16 (VAE stride 8 x patch 2), got {value}",
-                    f"use --{name} {max(16, value // 16 * 16)}",
-                )
+        # --height and --width are checked once the teacher's files are read (check_sample_size): the
+        # multiple is its VAE's stride times its patch, 16 for the A14B models and 32 for TI2V-5B, so a
+        # size fix offered here, before the teacher is known, could name a size that model refuses.
         if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
             raise config_error(
                 "boundary_ratio", f"must lie in (0, 1), got {self.boundary_ratio}", "Wan 2.2 uses 0.875"

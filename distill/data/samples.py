@@ -52,7 +52,11 @@ def accepts_images(kind: TeacherKind) -> bool:
 
 
 def read_training_samples(
-    path: str | Path, kind: TeacherKind, limit: int | None = None, flag: str = "--data_path"
+    path: str | Path,
+    kind: TeacherKind,
+    limit: int | None = None,
+    flag: str = "--data_path",
+    for_training: bool = True,
 ) -> list[TrainingSample]:
     """The first `limit` samples of a prompts file (or captioned-video folder) for a teacher of `kind`.
 
@@ -62,7 +66,8 @@ def read_training_samples(
         pairs = read_image_prompts(path, flag)[:limit]
         return [TrainingSample(pair.prompt, pair, image_key(pair.image)) for pair in pairs]
     records = read_prompt_records(path, flag, images=False)
-    refuse_images(Path(path), kind, [(record.line, record.fields.get("image")) for record in records], flag)
+    images = [(record.line, record.fields.get("image")) for record in records]
+    refuse_images(Path(path), kind, images, flag, for_training)
     return [TrainingSample(record.prompt) for record in records[:limit]]
 
 
@@ -102,23 +107,46 @@ def _has_image(value: object) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
 
-def refuse_images(path: Path, kind: TeacherKind, images: Sequence[tuple[int, object]], flag: str) -> None:
-    """A text-to-video teacher given prompts paired with images: say so, rather than drop the images."""
+def refuse_images(
+    path: Path, kind: TeacherKind, images: Sequence[tuple[int, object]], flag: str, for_training: bool = True
+) -> None:
+    """A text-to-video teacher given prompts paired with images: say so, rather than drop the images.
+    The fixes are the command's own: training names the image-to-video teacher; the commands that
+    sample (`for_training` False) name their --student, whose run decides the teacher."""
     paired = [(line, value) for line, value in images if _has_image(value)]
     if not paired:
         return
     line, value = paired[0]
+    text_only = f"pass the prompts without their images: a .txt file, one prompt per line, as {flag}"
+    without_images = (
+        "a .txt file of the captions (one a line)"
+        if path.is_dir()
+        else f"a prompts file without the image column (or drop it from {path})"
+    )
+    if for_training:
+        details = (
+            "Training would ignore every image: the student would not learn to start its videos from them."
+        )
+        fixes = [
+            f"to distil image to video, pass the {I2V_A14B.model} teacher with --teacher_path "
+            f"({I2V_A14B.download_command()})",
+            f"to distil text to video, pass {without_images}",
+        ]
+    else:
+        details = (
+            "Every image would be ignored: neither that teacher nor a student distilled from it starts a "
+            "video from an image."
+        )
+        fixes = [
+            text_only,
+            f"to turn images into videos, pass --student <a student distilled from {I2V_A14B.model}> (its "
+            "run_settings.json names that teacher)",
+        ]
     raise DistillError(
         f"{flag} {path} pairs prompts with images ({len(paired)} record(s); "
         f"{'first' if path.is_dir() else f'line {line}'}: {value!r}), "
         f"but the teacher is {kind.model}, which generates from text only",
-        "Training would ignore every image: the student would not learn to start its videos from them.",
-        fixes=[
-            f"to distil image to video, pass the {I2V_A14B.model} teacher with --teacher_path "
-            "(python download_wan.py --preset wan2.2-i2v-a14b)",
-            "to distil text to video, pass a .txt file of the captions (one a line)"
-            if path.is_dir()
-            else f"to distil text to video, pass a prompts file without the image column (or drop it from {path})",
-        ],
+        details,
+        fixes=fixes,
         stage=Stage.DATA,
     )

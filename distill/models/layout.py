@@ -93,9 +93,10 @@ def components_without_weights(folder: str | Path) -> list[str]:
     ]
 
 
-def require_weights(folder: str | Path) -> None:
+def require_weights(folder: str | Path, download: str) -> None:
     """Refuse to train from a teacher folder that holds configs but no weights (what
-    `download_wan.py --configs_only` fetches for a --dry_run plan), before anything is written."""
+    `download_wan.py --configs_only` fetches for a --dry_run plan), before anything is written.
+    `download`: the command that fetches its weights (the teacher kind's, TeacherKind.download_command)."""
     from distill.ops.errors import DistillError, Stage
 
     missing = components_without_weights(folder)
@@ -108,7 +109,7 @@ def require_weights(folder: str | Path) -> None:
                 "the weight download did not finish",
             ],
             fixes=[
-                f"python download_wan.py --local_dir {folder}   # fetches the weights (~120 GB), resumable",
+                f"{download}   # fetches the weights, resumable",
                 f"python download_wan.py --verify {folder}   # then check it",
             ],
             stage=Stage.TEACHER_LOAD,

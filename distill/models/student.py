@@ -32,6 +32,7 @@ from distill.models.student_config import (
     wan_class,
 )
 from distill.models.student_kind import config_kind, described, widen_patch_embedding, widens_to
+from distill.models.teacher_kind import T2V_A14B, student_starts
 from distill.ops.errors import DistillError, Stage
 from distill.ops.files import export_failed, staging_folder, swap_into_place
 
@@ -313,15 +314,7 @@ def _check_pretrained_config(
             f"({ours.task})",
             "\n".join(problems) + f"\n{name}: {described(theirs)}\nthe teacher: {described(ours)}",
             causes=[f"{name} was distilled from (or is) {theirs.model}, not {ours.model}"],
-            fixes=[
-                f"start from a student of {ours.model}: the student/ folder of a run on a {ours.model} teacher"
-                + (
-                    ", or a text-to-video one such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers (its input is widened)"
-                    if ours.in_channels != ours.out_channels
-                    else ", or a Wan text-to-video transformer such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
-                ),
-                f"or start from this teacher's own blocks: {flag} teacher",
-            ],
+            fixes=student_starts(ours, flag),
             stage=Stage.CONFIG,
         )
     if problems:
@@ -329,7 +322,7 @@ def _check_pretrained_config(
             "Pretrained student does not match the teacher",
             "\n".join(problems),
             causes=["A checkpoint of another model family (e.g. an I2V model with 36 input channels)."],
-            fixes=["Use a Wan text-to-video transformer such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers."],
+            fixes=student_starts(ours or T2V_A14B, flag),
             stage=Stage.CONFIG,
         )
     return widen

@@ -30,7 +30,13 @@ from distill.models.layout import (
 )
 from distill.models.original.convert import ensure_converted
 from distill.models.original.detect import looks_original
-from distill.models.teacher_kind import T2V_A14B, TeacherKind, refuse_undistillable
+from distill.models.teacher_kind import (
+    T2V_A14B,
+    TeacherKind,
+    folder_kind,
+    refuse_undistillable,
+    resume_command,
+)
 from distill.ops.errors import DistillError, Stage
 
 logger = logging.getLogger(__name__)
@@ -60,9 +66,14 @@ def _layout_error(path: str, title: str, details: str = "", kind: TeacherKind = 
         "\n".join(lines),
         causes=["the download did not finish", "--teacher_path points at the wrong folder"],
         fixes=[
-            "python download_wan.py --local_dir models/Wan2.2-T2V-A14B-Diffusers   # then pass that folder",
+            # An incomplete folder of this model resumes in place; anything else downloads anew.
+            (
+                f"{kind.download_command(path)}   # completes it"
+                if folder_kind(path) == kind
+                else f"{kind.download_command()}   # then pass {kind.default_folder}"
+            ),
             f"python download_wan.py --verify {path}   # lists what is missing",
-            "python download_wan.py --tiny models/tiny-wan   # a tiny random teacher to try the pipeline",
+            f"{kind.tiny_command('models/tiny-wan')}   # a tiny random teacher to try the pipeline",
         ],
         stage=Stage.TEACHER_LOAD,
     )
@@ -121,8 +132,8 @@ def _read_json(path: Path, teacher: Path) -> dict[str, Any]:
             f"cannot read {path}",
             str(exc),
             fixes=[
-                f"re-download that file: python download_wan.py --local_dir {teacher}  (resumes, fetching "
-                "only what is missing or wrong)",
+                f"re-download that file: {resume_command(teacher)}  (resumes, fetching only what is "
+                "missing or wrong)",
                 f"python download_wan.py --verify {teacher}",
             ],
             stage=Stage.TEACHER_LOAD,
@@ -280,8 +291,8 @@ def inspect_teacher(
                     problem,
                     causes=["an interrupted download or copy", "a full disk while writing"],
                     fixes=[
-                        f"re-download {component}/: python download_wan.py --local_dir {path}  (resumes, "
-                        "fetching only what is missing or wrong)",
+                        f"re-download {component}/: {kind.download_command(path)}  (resumes, fetching "
+                        "only what is missing or wrong)",
                         f"python download_wan.py --verify {path}",
                     ],
                     stage=Stage.TEACHER_LOAD,

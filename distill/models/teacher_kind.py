@@ -59,10 +59,43 @@ class TeacherKind:
     """How its input channels are made up, in words (for messages)."""
     distillable: bool
     """Whether this version's teacher, students, methods and samplers handle it."""
+    starting_points: tuple[str, ...] = ()
+    """Published transformers a student of this kind can start from with --student_init (a
+    text-to-video one's input is widened for an image-to-video teacher); none fits TI2V-5B's 48
+    channels but the teacher's own blocks."""
 
     @property
     def pipeline_class(self) -> str:
         return self.pipeline_classes[0]
+
+    @property
+    def preset(self) -> str:
+        """Its `download_wan.py --preset` name."""
+        return self.model.lower()
+
+    @property
+    def short(self) -> str:
+        """Its `download_wan.py --tiny_kind` / `--toy_kind` value: t2v, i2v, ti2v."""
+        return self.name.split("-")[0]
+
+    @property
+    def default_folder(self) -> str:
+        """Where `download_wan.py --preset` puts it without --local_dir."""
+        return f"models/{self.repo_id.split('/')[1]}"
+
+    def download_command(self, local_dir: str | Path | None = None, configs_only: bool = False) -> str:
+        """The command that downloads (or resumes the download of) this model into `local_dir`: every
+        fix that names a download is built here, so none names another model's preset."""
+        folder = f" --local_dir {local_dir}" if local_dir is not None else ""
+        return f"python download_wan.py --preset {self.preset}{folder}{' --configs_only' if configs_only else ''}"
+
+    def tiny_command(self, folder: str | Path | None = None) -> str:
+        """The command that writes a tiny random teacher of this model (no network)."""
+        default = "outputs/tiny_teacher" if self == T2V_A14B else f"outputs/tiny_{self.short}_teacher"
+        where = folder if folder is not None else default
+        return f"python download_wan.py --tiny {where}" + (
+            "" if self == T2V_A14B else f" --tiny_kind {self.short}"
+        )
 
 
 T2V_A14B = TeacherKind(
@@ -79,6 +112,7 @@ T2V_A14B = TeacherKind(
     original_model_type="t2v",
     inputs="16 noisy latent channels",
     distillable=True,
+    starting_points=("Wan-AI/Wan2.1-T2V-1.3B-Diffusers",),
 )
 I2V_A14B = TeacherKind(
     name="i2v-a14b",
@@ -94,6 +128,8 @@ I2V_A14B = TeacherKind(
     original_model_type="i2v",
     inputs="16 noisy latent channels, a 4-channel first-frame mask and the image's 16-channel latent",
     distillable=True,
+    # A text-to-video transformer starts it: its patch embedding is widened (models/student_kind.py).
+    starting_points=("Wan-AI/Wan2.1-T2V-1.3B-Diffusers",),
 )
 TI2V_5B = TeacherKind(
     name="ti2v-5b",
@@ -120,6 +156,9 @@ class KindReading:
 
     kind: TeacherKind
     evidence: tuple[str, ...]
+    experts: int | None = None
+    """The transformers the files list (1 or 2), where they say: Wan2.1's one-transformer text-to-video
+    models read as the text-to-video kind, and only this tells them from the A14B teacher."""
 
 
 def read_teacher_kind(folder: str | Path) -> KindReading | None:
@@ -132,6 +171,55 @@ def read_teacher_kind(folder: str | Path) -> KindReading | None:
     if looks_original(folder):
         return _read_original(folder)
     return None
+
+
+def student_starts(kind: TeacherKind, flag: str = "--student_init") -> list[str]:
+    """The starting points a student of `kind` accepts, as fixes, the one that needs no download
+    first: the teacher's own blocks, a student of a run on this model, then the published
+    transformers that fit it (none fits TI2V-5B, so none is named for it)."""
+    widened = " (its input is widened)" if kind.in_channels != kind.out_channels else ""
+    return [
+        f"start from this teacher's own blocks: {flag} teacher",
+        f"or from a student of {kind.model}: {flag} <the student/ folder of a run on a {kind.model} teacher>",
+        *(
+            f"or from a published transformer that fits it: {flag} {repo}{widened}"
+            for repo in kind.starting_points
+        ),
+    ]
+
+
+def folder_kind(folder: str | Path) -> TeacherKind | None:
+    """The kind `folder`'s files name, for advice: None where they name none or disagree (the
+    reading that refuses those is `read_teacher_kind`)."""
+    try:
+        reading = read_teacher_kind(folder)
+    except DistillError:
+        return None
+    return reading.kind if reading is not None else None
+
+
+def resume_command(folder: str | Path, kind: TeacherKind | None = None) -> str:
+    """The command that completes the download in `folder` with the model its files name (`kind`
+    where the caller knows it): the download refuses a folder of another model, so a fix that names a
+    download must name this one's preset. The text-to-video teacher where the files name none."""
+    return (kind or folder_kind(folder) or T2V_A14B).download_command(folder)
+
+
+def describe_folder(folder: str | Path) -> str:
+    """What `folder` holds, in words, for a refusal to replace it."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return "a file"
+    try:
+        reading = read_teacher_kind(folder)
+    except DistillError:
+        return "a Wan teacher whose files disagree on the model"
+    if reading is None:
+        return "files of its own"
+    one = reading.experts == 1 and reading.kind.experts == 2
+    return (
+        f"a {'one-transformer ' + reading.kind.task + ' model' if one else reading.kind.model + ' teacher'}"
+    )
 
 
 def refuse_undistillable(folder: str | Path, shown: str | None = None) -> KindReading | None:
@@ -159,8 +247,8 @@ def undistillable_error(teacher: str, reading: KindReading) -> DistillError:
         + ".",
         causes=[f"--teacher_path points at {kind.repo_id} (or a copy of it, in either layout)"],
         fixes=[
-            f"point --teacher_path at {k.repo_id}: the hub id, or the folder `python download_wan.py "
-            f"--preset {k.model.lower()}` downloads it to (models/{k.repo_id.split('/')[1]})"
+            f"point --teacher_path at {k.repo_id}: the hub id, or the folder `{k.download_command()}` "
+            f"downloads it to ({k.default_folder})"
             for k in distilled
         ],
         stage=Stage.TEACHER_LOAD,
@@ -251,7 +339,7 @@ def _read_diffusers(folder: Path) -> KindReading | None:
     channel_line = f"{TRANSFORMER_CONFIG}: in_channels = {channels[0]}, out_channels = {channels[1]}"
     by_channels = _by_channels(channels)
     if not candidates:  # an unknown pipeline class: the channels alone
-        return KindReading(by_channels, (channel_line,)) if by_channels is not None else None
+        return KindReading(by_channels, (channel_line,), 2 if two else 1) if by_channels is not None else None
     if None in channels:  # a configs-only or damaged folder: the index alone decides
         # (the number of transformers it lists tells WanPipeline's two kinds apart)
         kind = next((k for k in candidates if k.experts == (2 if two else 1)), candidates[0])
@@ -276,7 +364,7 @@ def _read_diffusers(folder: Path) -> KindReading | None:
         )
     if None not in channels:
         evidence.append(channel_line)
-    return KindReading(kind, tuple(evidence))
+    return KindReading(kind, tuple(evidence), 2 if two else 1)
 
 
 def _read_original(folder: Path) -> KindReading | None:
@@ -291,9 +379,10 @@ def _read_original(folder: Path) -> KindReading | None:
     if kind is None:  # s2v, animate, ...: the conversion names the model type it cannot take
         return None
     said = f"{relative}: model_type = {model_type}"
+    experts = 2 if relative.startswith("high_noise_model/") else 1
     in_dim = _count(config.get("in_dim"))
     if in_dim is None:
-        return KindReading(kind, (said,))
+        return KindReading(kind, (said,), experts)
     if in_dim != kind.in_channels:
         raise _disagreement(
             folder,
@@ -302,4 +391,4 @@ def _read_original(folder: Path) -> KindReading | None:
             f"{relative} in_dim",
             f"{in_dim}: {_says(next((k for k in KINDS if k.in_channels == in_dim), None))}",
         )
-    return KindReading(kind, (said, f"{relative}: in_dim = {in_dim}"))
+    return KindReading(kind, (said, f"{relative}: in_dim = {in_dim}"), experts)

@@ -26,12 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import string
-import tempfile
 import unicodedata
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
@@ -48,17 +45,24 @@ from distill.models.layout import (
     DIFFUSERS_COMPONENTS,
     ORIGINAL_COMPONENTS,
     missing_components,
-    present_entries,
 )
 from distill.models.original.detect import ONE_MODEL
-from distill.models.teacher_kind import I2V_A14B, T2V_A14B, TI2V_5B, TeacherKind, read_teacher_kind
+from distill.models.teacher_kind import (
+    I2V_A14B,
+    T2V_A14B,
+    TI2V_5B,
+    TeacherKind,
+    describe_folder,
+    read_teacher_kind,
+)
 from distill.ops.errors import DistillError, Stage
+from distill.ops.replace import build_beside, put_in_place
 
 if TYPE_CHECKING:  # importing it prints a transformers warning (CLIPImageProcessor without torchvision)
     from diffusers import WanImageToVideoPipeline
 
 # A folder this small cannot be a real teacher (the A14B one is ~120 GB, even Wan 2.1 1.3B is
-# several GB), so it is safe to replace without `overwrite=True`.
+# several GB): `is_tiny_teacher` tells the tests' and demos' teachers from downloads.
 _TINY_MAX_BYTES = 256 * 1024 * 1024
 
 # The tokenizer is estimated from these prompts. They are varied so that common English
@@ -161,29 +165,26 @@ def write_tiny_teacher(
     *,
     kind: TeacherKind = T2V_A14B,
     overwrite: bool = False,
+    flag: str = "--tiny",
 ) -> Path:
     """Write a random tiny Wan 2.2 teacher of `kind` (default T2V A14B) to `out_dir`, in the diffusers
     layout of that model, and return its path. `shape` defaults to `tiny_shape(kind)`.
 
     The same `seed` and `shape` give byte-identical weight files; a different seed gives
     different weights. The folder appears complete or not at all: everything is written to a
-    temporary sibling first and renamed into place. An existing non-empty `out_dir` that is not
-    already a tiny teacher is refused unless `overwrite=True`.
+    temporary sibling first and renamed into place. A non-empty `out_dir` that holds anything but
+    these very files is refused unless `overwrite=True` (`flag` names the option in the refusal).
     """
     out_dir = Path(out_dir).expanduser().absolute()
-    _check_destination(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Not tempfile.mkdtemp: its 0700 mode would end up on the final folder.
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    staging = build_beside(out_dir)
     shape = shape if shape is not None else tiny_shape(kind)
     try:
         build_tiny_pipeline(seed, shape, kind).save_pretrained(staging, safe_serialization=True)
         _check_saved_index(staging, shape, kind)
-        _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    _put_in_place(staging, out_dir, kind, "diffusers", overwrite, flag)
     return out_dir
 
 
@@ -199,6 +200,7 @@ def write_tiny_original_teacher(
     *,
     overwrite: bool = False,
     kind: TeacherKind = T2V_A14B,
+    flag: str = "--tiny",
 ) -> Path:
     """Write the same tiny teacher as `write_tiny_teacher(out_dir, seed, shape, kind=kind)` in the
     ORIGINAL Wan layout of its release: models_t5_umt5-xxl-enc-bf16.pth and google/umt5-xxl/, then
@@ -212,10 +214,7 @@ def write_tiny_original_teacher(
 
     shape = shape if shape is not None else original_layout_shape(kind)
     out_dir = Path(out_dir).expanduser().absolute()
-    _check_destination(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    staging = build_beside(out_dir)
     try:
         save_original_layout(
             build_tiny_pipeline(seed, shape, kind),
@@ -224,10 +223,10 @@ def write_tiny_original_teacher(
             shards_per_expert=2 if kind.experts == 2 else 3,
             kind=kind,
         )
-        _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    _put_in_place(staging, out_dir, kind, "original", overwrite, flag)
     return out_dir
 
 
@@ -423,23 +422,18 @@ def _build_wan22_vae(shape: TinyTeacherShape) -> AutoencoderKLWan:
     )
 
 
-def _check_destination(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DistillError(
-            "Cannot write the tiny teacher",
-            f"{out_dir} exists and is a file, not a folder.",
-            fixes=["Choose another output folder."],
-            stage=Stage.SETUP,
-        )
-    if overwrite or not out_dir.is_dir() or not any(out_dir.iterdir()) or is_tiny_teacher(out_dir):
-        return
-    raise DistillError(
-        "Refusing to overwrite a folder that is not a tiny teacher",
-        f"{out_dir} is not empty and does not hold a tiny Wan teacher.\n"
-        f"It contains: {', '.join(present_entries(out_dir)[:12])}",
-        causes=["The path points at a real downloaded teacher or at unrelated files."],
-        fixes=["Choose an empty or new folder.", "Pass overwrite=True (--overwrite) to replace it anyway."],
-        stage=Stage.SETUP,
+def _put_in_place(
+    staging: Path, out_dir: Path, kind: TeacherKind, layout: str, overwrite: bool, flag: str
+) -> None:
+    """The built teacher into `out_dir` under the one overwrite rule (distill/ops/replace.py): a folder
+    holding anything but these very files is replaced only with `overwrite`."""
+    put_in_place(
+        staging,
+        out_dir,
+        flag=flag,
+        holds=describe_folder(out_dir),
+        writing=f"a tiny random {kind.model} teacher ({layout} layout)",
+        overwrite=overwrite,
     )
 
 
@@ -465,14 +459,3 @@ def _check_saved_index(folder: Path, shape: TinyTeacherShape, kind: TeacherKind 
             fixes=["Install the diffusers version pinned in requirements.txt."],
             stage=Stage.INTERNAL,
         )
-
-
-def _move_into_place(staging: Path, out_dir: Path) -> None:
-    """Swap `staging` in as `out_dir`; the old folder is only deleted once the new one is there."""
-    if not out_dir.exists():
-        os.replace(staging, out_dir)
-        return
-    retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    os.replace(out_dir, retired / out_dir.name)
-    os.replace(staging, out_dir)
-    shutil.rmtree(retired, ignore_errors=True)

@@ -118,7 +118,7 @@ def prompt_images(
     refuse_image_for_text_teacher(kind, image, teacher)
     if not accepts_images(kind):
         if prompts_file is not None:  # a file pairing images, for a teacher that takes none: refused
-            read_training_samples(prompts_file, kind, flag=file_flag)
+            read_training_samples(prompts_file, kind, flag=file_flag, for_training=False)
         return None
     paired = pairs_images(prompts_file, file_flag)
     if not takes_images(kind):  # two modes (TI2V-5B): the run's, else the inputs'

@@ -18,7 +18,7 @@ refused, so a student is never scored on the images it trained on.
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,6 +27,7 @@ import numpy as np
 from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.errors import DistillError, Stage
 from distill.ops.paths import Kind
+from distill.ops.replace import build_beside, put_in_place
 from distill.toy.image_score import CALIBRATION_SEED, HELD_OUT_SEED, motion_prompts
 from distill.toy.world import CLIP_FRAMES
 
@@ -54,11 +55,11 @@ def write_i2v_data(
     named_share: float = NAMED_SHARE,
     size: int = 32,
     frames: int = CLIP_FRAMES,
+    overwrite: bool = False,
 ) -> Path:
     """Write `count` (image, prompt) pairs into `output` (images/ and prompts.jsonl); returns the
-    prompts file. Deterministic from `seed`; a seed of the held-out or calibration cases is refused."""
-    import imageio.v2 as imageio
-
+    prompts file. Deterministic from `seed`; a seed of the held-out or calibration cases is refused.
+    A folder holding anything but these very pairs is refused unless `overwrite`."""
     if seed in RESERVED_SEEDS:
         raise DistillError(
             f"--seed {seed} draws {RESERVED_SEEDS[seed]}",
@@ -73,6 +74,37 @@ def write_i2v_data(
             fixes=["e.g. 0.25"],
         )
     folder = Path(output)
+    # Built beside the folder and put in place under the one overwrite rule (distill/ops/replace.py):
+    # a folder that already holds these very pairs is kept, anything else replaced only with
+    # `overwrite` (an earlier data set's images would otherwise be rewritten in place, or outlive it).
+    staging = build_beside(folder)
+    try:
+        _write_pairs(staging, count, seed, named_share, size, frames)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    put_in_place(
+        staging,
+        folder,
+        flag="--output",
+        holds=_holds(folder),
+        writing=f"{count} pairs of seed {seed}",
+        overwrite=overwrite,
+    )
+    return folder / PROMPTS_FILE
+
+
+def _holds(folder: Path) -> str:
+    """What a data folder holds, in words (for the refusal to replace it)."""
+    if not (folder / PROMPTS_FILE).is_file():
+        return "files of its own"
+    images = sum(1 for _ in (folder / IMAGES).glob("*.png")) if (folder / IMAGES).is_dir() else 0
+    return f"a data set ({PROMPTS_FILE} and {images} images)"
+
+
+def _write_pairs(folder: Path, count: int, seed: int, named_share: float, size: int, frames: int) -> None:
+    import imageio.v2 as imageio
+
     (folder / IMAGES).mkdir(parents=True, exist_ok=True)
     # The motion-only draw: the full prompt of each case is its scene's, same image, same clip.
     cases = motion_prompts(count, seed, size=size, frames=frames)
@@ -82,12 +114,7 @@ def write_i2v_data(
         imageio.imwrite(folder / name, (np.clip(case.image, 0.0, 1.0) * 255.0).round().astype(np.uint8))
         prompt = case.scene.prompt if is_named(i, named_share) else case.prompt
         lines.append(json.dumps({"prompt": prompt, "image": name}))
-    # Written last and renamed into place: a prompts file always names images that exist.
-    path = folder / PROMPTS_FILE
-    staged = folder / f".{PROMPTS_FILE}.{os.getpid()}.tmp"
-    staged.write_text("\n".join(lines) + "\n")
-    os.replace(staged, path)
-    return path
+    (folder / PROMPTS_FILE).write_text("\n".join(lines) + "\n")
 
 
 @entry_point
@@ -104,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         default=NAMED_SHARE,
         help=f"share of full clip prompts; the rest name only the motion (default {NAMED_SHARE})",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an --output folder that holds anything else (another data set, other files)",
+    )
     args = parser.parse_args(argv)
-    path = write_i2v_data(args.output, args.count, args.seed, args.named_share)
+    path = write_i2v_data(args.output, args.count, args.seed, args.named_share, overwrite=args.overwrite)
     print(f"wrote {args.count} image and prompt pairs: {path}")
     return 0
 

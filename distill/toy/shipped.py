@@ -10,7 +10,9 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from distill.models.teacher_kind import describe_folder
 from distill.ops.errors import DistillError, Stage
+from distill.ops.replace import build_beside, put_in_place
 from distill.toy import world
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "toy_teacher"
@@ -36,28 +38,22 @@ def write_toy_teacher(out_dir: str | Path, *, overwrite: bool = False, source: P
             fixes=[f"Restore {source.name}/ from git (assets/), or rebuild it: {rebuild}"],
             stage=Stage.SETUP,
         )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DistillError(
-            "Cannot write the toy teacher",
-            f"{out_dir} exists and is a file, not a folder.",
-            fixes=["Choose another output folder."],
-            stage=Stage.SETUP,
-        )
-    if (
-        out_dir.is_dir()
-        and any(out_dir.iterdir())
-        and not overwrite
-        and not (out_dir / world.WORLD_FILE).is_file()
-    ):
-        raise DistillError(
-            "Refusing to overwrite a folder that is not a toy teacher",
-            f"{out_dir} is not empty and holds no {world.WORLD_FILE}.",
-            fixes=["Choose an empty or new folder.", "Pass --overwrite to replace it anyway."],
-            stage=Stage.SETUP,
-        )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with staged_folder(out_dir) as staging:
-        shutil.copytree(source, staging)
+    # Copied beside the folder first: the one overwrite rule (distill/ops/replace.py) keeps a folder
+    # that already holds this teacher, and replaces anything else only with --overwrite.
+    staging = build_beside(out_dir)
+    try:
+        shutil.copytree(source, staging, dirs_exist_ok=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    put_in_place(
+        staging,
+        out_dir,
+        flag="--toy",
+        holds=describe_folder(out_dir),
+        writing="the toy " + describe_folder(source).removeprefix("a "),
+        overwrite=overwrite,
+    )
     return out_dir
 
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from distill.config.settings import TrainConfig, canonical_lora_targets
+from distill.data.samples import TrainingSample
 from distill.models.teacher import TeacherInfo
 from distill.ops.errors import DistillError, Stage
+from distill.ops.replace import free_sibling
 from distill.train.methods import method_class
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,46 @@ def run_identity(
         ),
     }
     return json.loads(json.dumps(identity))  # as it reads back from meta.json (tuples become lists)
+
+
+def sample_record(samples: Sequence[TrainingSample]) -> list[list[str | None]]:
+    """Each sample's prompt hash and image key, in order: stored beside the identity (whose "prompts"
+    is one hash of them all) so that a resume on changed data can say which prompt or image changed."""
+    return [
+        [hashlib.sha256(sample.prompt.encode()).hexdigest()[:12], (sample.image_key or "")[:12] or None]
+        for sample in samples
+    ]
+
+
+def _where(sample: TrainingSample, index: int) -> str:
+    if sample.image is not None:
+        return f"{sample.image.where} ({sample.prompt!r}, image {sample.image.image})"
+    return f"prompt {index + 1} of --data_path ({sample.prompt!r})"
+
+
+def samples_changed(saved: object, samples: Sequence[TrainingSample]) -> str:
+    """What differs between the samples a checkpoint recorded (`sample_record`) and this run's, in
+    words: the first prompt or image that changed, named by file and line, and the counts."""
+    if not isinstance(saved, list):
+        return (
+            "(the checkpoint records only the hash of its prompts, not which ones: it predates that record)"
+        )
+    current = sample_record(samples)
+    lines = []
+    if len(saved) != len(current):
+        lines.append(f"the checkpoint's run had {len(saved)} samples, this run has {len(current)}")
+    for index, (before, now) in enumerate(zip(saved, current, strict=False)):
+        if list(before) == now:
+            continue
+        where = _where(samples[index], index)
+        if before[0] == now[0]:
+            lines.append(f"{where}: the same prompt, but the image's content changed since the checkpoint")
+        elif before[1] is not None and before[1] == now[1]:
+            lines.append(f"{where}: the same image, but the prompt changed since the checkpoint")
+        else:
+            lines.append(f"{where}: not the sample the checkpoint's run had there")
+        break
+    return "\n".join(lines) or "the same samples in another order"
 
 
 # The flag behind each entry of a checkpoint's "lora" identity.
@@ -125,8 +168,25 @@ def other_kind_of_student(path: Path, saved: dict[str, Any], expected: dict[str,
     )
 
 
-def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], force: bool) -> None:
-    """Refuse to resume the checkpoint at `path` made with another identity (unless `force`)."""
+# Identity keys whose change leaves the checkpoint's weights loadable into this run: --force_resume
+# can continue it. Another student config or method holds other tensors, which no flag loads.
+FORCEABLE = {"teacher", "prompts", "target"}
+
+
+def check_identity(
+    path: Path,
+    meta: dict[str, Any],
+    expected: dict[str, Any],
+    force: bool,
+    samples: Sequence[TrainingSample] = (),
+    end: int | None = None,
+) -> None:
+    """Refuse to resume the checkpoint at `path` made with another identity (unless `force`). The
+    fixes are those that work here: another --output_dir first; continuing that run only where it has
+    steps left (`end`: this run's last step, None where it is not counted yet), and --force_resume only
+    where its weights load. `samples`: this run's, to name a prompt or image that changed."""
+    output_dir = path.parent.parent
+    finished = end is not None and int(meta.get("step", 0)) >= end
     kind = other_kind_of_student(path, meta.get("identity", {}), expected)
     if kind is not None:
         raise kind
@@ -146,11 +206,32 @@ def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], f
             keys = sorted(k for k in set(saved) | set(value) if saved.get(k) != value.get(k))
             saved, value = {k: saved.get(k) for k in keys}, {k: value.get(k) for k in keys}
         what = key.replace("_", " ")
+        details = f"checkpoint: {saved}\nthis run:   {value}"
+        if key == "prompts":
+            what = "set of prompts and images (--data_path)"
+            details = (
+                samples_changed(meta.get("samples"), samples)
+                + f"\n(hashes: checkpoint {saved}, this run {value})"
+            )
+        settings = output_dir / "run_config.json"
         fixes = [
-            "resume with the settings the checkpoint was made with",
-            "or start fresh in another --output_dir",
-            "or pass --force_resume if the change is intended (the weights are loaded as they are)",
+            f"start this run in another --output_dir: --output_dir {free_sibling(output_dir)}",
+            *(
+                [f"or continue that run with the settings it was made with ({settings})"]
+                if not finished
+                else []
+            ),
+            *(
+                ["or pass --force_resume if the change is intended (the weights are loaded as they are)"]
+                if key in FORCEABLE and not finished
+                else []
+            ),
         ]
+        if finished:
+            details += (
+                f"\nThat run is finished (its checkpoint is at step {meta.get('step')}, this run ends at step "
+                f"{end}): continuing it would train nothing."
+            )
         if key == "target":  # name the options that changed
             what = "training target: " + ", ".join(f"--{k}" for k in value)
         if key == "student_config" and "lora" in expected:
@@ -160,7 +241,7 @@ def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], f
             fixes = [
                 f"resume with the teacher the checkpoint was made with: --teacher_path {teacher} (the LoRA "
                 "student is that teacher's experts)",
-                "or start fresh in another --output_dir",
+                f"or start fresh in another --output_dir: --output_dir {free_sibling(output_dir)}",
             ]
         if key == "lora" and isinstance(value, dict) and isinstance(saved, dict):
             what = "lora (" + ", ".join(LORA_OPTIONS.get(k, k) for k in value) + ")"
@@ -190,7 +271,7 @@ def check_identity(path: Path, meta: dict[str, Any], expected: dict[str, Any], f
             continue
         raise DistillError(
             f"checkpoint {path} was made with a different {what}",
-            f"checkpoint: {saved}\nthis run:   {value}",
+            details,
             fixes=fixes,
             stage=Stage.CHECKPOINT,
         )

@@ -36,7 +36,7 @@ from distill.ops.errors import DistillError, Progress, Stage
 from distill.ops.faults import FaultInjector
 from distill.report.monitor import SampleMonitor
 from distill.train import checkpoint as ckpt
-from distill.train.identity import lora_flags
+from distill.train.identity import lora_flags, sample_record
 from distill.train.methods import method_class
 from distill.train.methods.base import BatchRandomness, MethodEnv
 from distill.train.stop import StopRequest
@@ -212,6 +212,8 @@ class TrainingLoop:
             meta = {
                 "consumed": self.consumed,
                 "identity": self.distiller.identity(),
+                # Which prompt and image each sample was: a resume on changed data names the one.
+                "samples": sample_record(self.distiller.samples),
                 "wandb_run_id": self.wandb_run_id,
                 "world_size": self.ctx.world_size,
                 "skipped_steps": self.skipped_steps,

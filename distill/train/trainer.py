@@ -97,7 +97,7 @@ class Distiller:
             configs_only=cfg.dry_run,
         )
         if not cfg.dry_run:  # a dry run plans from the configs alone (download_wan.py --configs_only)
-            require_weights(self.info.path)
+            require_weights(self.info.path, self.info.kind.download_command(self.info.path))
         # Refuse a student that cannot work with this teacher before loading anything heavy.
         self.student_config = (
             dict(self.info.expert_config)
@@ -404,7 +404,7 @@ class Distiller:
 
     def check_checkpoint(self, path: Path, meta: dict[str, Any]) -> None:
         """Refuse to resume a checkpoint made for another student, teacher or prompt set (unless forced)."""
-        check_identity(path, meta, self.identity(), self.cfg.force_resume)
+        check_identity(path, meta, self.identity(), self.cfg.force_resume, self.samples, self.cfg.num_steps)
 
     def check_output_dir(self) -> None:
         """Before any heavy work: never overwrite another run's checkpoints, never resume a foreign one

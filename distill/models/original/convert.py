@@ -49,7 +49,7 @@ from distill.models.original.detect import (
     source_fingerprint,
 )
 from distill.models.original.keymaps import renamed_keys, t5_to_transformers, vae22_to_diffusers
-from distill.models.teacher_kind import T2V_A14B, TeacherKind
+from distill.models.teacher_kind import T2V_A14B, TI2V_5B, TeacherKind, folder_kind
 from distill.ops.errors import DistillError, Stage
 
 if TYPE_CHECKING:  # torch and diffusers cost seconds to import; checks on folders need neither
@@ -81,7 +81,7 @@ def ensure_converted(src: str | Path, convert_root: str | Path | None = None) ->
     src = Path(src).absolute()
     problems = original_problems(src)
     if problems:
-        raise incomplete_error(src, problems)
+        raise _incomplete(src, problems)
     root = Path(convert_root).expanduser().absolute() if convert_root else default_convert_root()
     dst = root / f"{src.name}-diffusers-{source_fingerprint(src)}"
     if not _is_conversion(dst):
@@ -118,6 +118,13 @@ def _is_conversion(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
+def _incomplete(src: Path, problems: list[str]) -> DistillError:
+    """The missing parts of `src`, with the release and the download of the model its config names
+    (the I2V teacher has the T2V one's shape); where none says, the model of that shape."""
+    kind = folder_kind(src) or (TI2V_5B if original_layout(src) is ONE_MODEL else T2V_A14B)
+    return incomplete_error(src, problems, kind.repo_id.removesuffix("-Diffusers"), kind.download_command())
+
+
 def convert_original(src: str | Path, dst: str | Path) -> Path:
     """Write the diffusers layout of the original folder `src` to `dst` and return `dst`.
 
@@ -136,7 +143,7 @@ def convert_original(src: str | Path, dst: str | Path) -> Path:
     kind = convertible_kind(src)  # from its config.json, before tens of GB are read
     problems = original_problems(src)
     if problems:
-        raise incomplete_error(src, problems)
+        raise _incomplete(src, problems)
     fingerprint = source_fingerprint(src)
     if dst.is_dir() and any(dst.iterdir()):
         if _is_conversion(dst) and json.loads((dst / MARKER).read_text()).get("fingerprint") == fingerprint:
@@ -172,7 +179,7 @@ def convert_original(src: str | Path, dst: str | Path) -> Path:
             ],
             fixes=[
                 f"python download_wan.py --convert {src} <new folder>   # shows which component fails",
-                "or download the diffusers layout: python download_wan.py",
+                f"or download the diffusers layout: {kind.download_command()}",
             ],
             stage=Stage.TEACHER_LOAD,
         ) from error

@@ -215,28 +215,24 @@ def expert_shards(folder: Path, prefix: str = "") -> list[Path]:
     return [folder / n for n in names]
 
 
-def incomplete_error(folder: Path, problems: list[str]) -> DistillError:
+def incomplete_error(folder: Path, problems: list[str], release: str, download: str) -> DistillError:
+    """The banner of an original folder missing parts: `release` the hub id of the model its config
+    names, `download` the command that fetches that model's diffusers layout (convert.py reads the
+    kind: this module stays below teacher_kind)."""
     layout = original_layout(folder)
     expected = [f"{CONFIGURATION_FILE} (optional)", *layout.required]
     if layout is ONE_MODEL:
         expected.append(f"{WEIGHTS_NAME}-0000N-of-0000M.safetensors + {WEIGHTS_NAME}.safetensors.index.json")
-    diffusers = f"{layout.release}-Diffusers"
-    local = f"models/{diffusers.split('/')[1]}"
-    use_diffusers = (
-        f"python download_wan.py --local_dir {local}"
-        if layout is TWO_EXPERTS
-        else f"hf download {diffusers} --local-dir {local}"  # download_wan.py has no TI2V-5B preset
-    )
     return DistillError(
         f"the ORIGINAL Wan layout at {folder} is incomplete",
         "Problems:\n"
         + "\n".join(f"- {p}" for p in problems)
-        + f"\nExpected ({layout.release}): {', '.join(expected)}"
+        + f"\nExpected ({release}): {', '.join(expected)}"
         + f"\nFound: {', '.join(present_entries(folder)) or 'nothing'}",
         causes=["the download or copy was interrupted", "only some files of the release were copied"],
         fixes=[
-            f"resume the download: hf download {layout.release} --local-dir {folder}",
-            f"or use the diffusers layout: {use_diffusers}",
+            f"resume the download: hf download {release} --local-dir {folder}",
+            f"or use the diffusers layout: {download}",
         ],
         stage=Stage.TEACHER_LOAD,
     )
