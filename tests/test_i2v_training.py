@@ -232,7 +232,7 @@ def test_images_for_the_text_to_video_teacher_are_refused_not_ignored(world, tin
     assert train(train_args(tiny_teacher, out, cache, data_path=world["pairs"])) == 6
     err = banner(capsys)
     assert "pairs prompts with images" in err and "Wan2.2-T2V-A14B, which generates from text only" in err
-    assert "--preset wan2.2-i2v-a14b" in err and "drop the image column" in err
+    assert "--preset wan2.2-i2v-a14b" in err and "without the image column" in err
     assert not out.exists() and not cache.exists()
 
 
