@@ -85,6 +85,7 @@ class Distiller:
         # Every path flag before the teacher is read; the output folders are proven writable too,
         # except by a dry run, which writes nothing (and may plan for another machine's paths).
         check_paths(cfg.path_flags(), probe=not cfg.dry_run)
+        ckpt.check_resume_flag(cfg.resume)  # before the teacher and the caches cost anything
         self.ctx = ctx if ctx is not None else dist_utils.setup("auto", cfg.device)
         self.device = self.ctx.device
         self.is_main = self.ctx.is_main
