@@ -252,6 +252,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
             raise blame_the_file(error, from_file, given.config) from None
         raise
     check_dependents(cfg, where, TRAIN_DEPENDENTS, field_defaults())
+    cfg.given = where  # type: ignore[misc] - per run: see TrainConfig.given
     return cfg
 
 

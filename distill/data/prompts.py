@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.config.settings import PROMPT_SUFFIXES
+from distill.data.record_fields import check_record_fields
 from distill.ops.errors import DistillError, Stage
 
 
@@ -83,6 +84,7 @@ def read_prompt_records(path: str | Path, flag: str = "--data_path") -> list[Pro
         raise _data_error(
             path, "holds no prompts", "write one prompt per line (lines starting with # are comments)", flag
         )
+    check_record_fields(path, [(record.line, record.fields) for record in records], flag)
     return records
 
 

@@ -63,6 +63,7 @@ from distill.train.loop import RunResult, TrainingLoop
 from distill.train.methods import method_class
 from distill.train.plan import choose_placement, run_plan
 from distill.train.run_checks import (
+    check_learned_frames,
     check_lora_ranks,
     check_one_transformer_settings,
     check_resolution,
@@ -125,6 +126,7 @@ class Distiller:
         check_one_transformer_settings(cfg, self.info)
         # A prompt per sample, with its image for an image-to-video teacher (read as its kind needs).
         self.samples = read_training_samples(cfg.data_path, self.info.kind, cfg.max_prompts)
+        check_learned_frames(cfg, self.info, image=self.samples[0].image is not None)
         self.prompts = [sample.prompt for sample in self.samples]
         # The samples the teacher samples a clean latent for before step 1: every training sample,
         # unless the method's updates never read them (data-free dmd: a reference set for metrics).
