@@ -62,6 +62,7 @@ from distill.models.teacher_kind import KINDS, T2V_A14B, TeacherKind, describe_f
 from distill.ops.command import Parser, PathAction, entry_point, integer
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.paths import Kind
+from distill.ops.requirements import require_installed
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="download_wan.py",
         description="Download the Wan 2.2 teacher, verify a teacher folder, or write a tiny test teacher.",
         epilog="Exit codes: 0 OK, 2 usage error, 3 a path of the wrong kind (a file for a folder) or not "
-        "writable, 4 --tiny folder refused, 5 download or teacher folder problem.",
+        "writable, 4 --tiny folder refused or this Python lacks the requirements (use .venv/bin/python), "
+        "5 download or teacher folder problem.",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
@@ -833,4 +835,7 @@ def convert(src: Path, dst: Path) -> int:
 
 
 if __name__ == "__main__":
+    # Before a command imports diffusers or huggingface_hub: a Python without the requirements
+    # is told which Python to use (the imports above are the standard library's and this project's).
+    require_installed()
     sys.exit(main())

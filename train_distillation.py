@@ -34,6 +34,12 @@ def debug_requested(argv: list[str]) -> bool:
         return "--debug_distributed" in argv
 
 
+# Before anything imports torch: a Python without the requirements is told which Python to use.
+if __name__ == "__main__":
+    from distill.ops.requirements import require_installed
+
+    require_installed()
+
 # torch reads these once, when it loads (the C++ log level) or when torch.distributed is imported:
 # set them before the first torch import.
 if __name__ == "__main__" and debug_requested(sys.argv[1:]):

@@ -65,7 +65,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from distill.config.flag_rules import Dependent, check_dependents, check_guidance, given_where
+from distill.config.flag_rules import (
+    Dependent,
+    check_dependents,
+    check_guidance,
+    given_where,
+    second_expert_guidance,
+)
 from distill.models.teacher import resolve_dtype
 from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.errors import DistillError, Stage, report
@@ -260,7 +266,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     writable_folder(args.output_dir, "--output_dir", create=False)
     # "" changes nothing; a --guidance_scale_2 given is judged once the teacher's kind is known
     given = given_where(["negative_prompt"] if args.negative_prompt else [])
-    second_given = args.guidance_scale_2 not in (None, 1.0)  # 1: no guidance, never refused
+    second = given_where(["guidance_scale_2"] if args.guidance_scale_2 is not None else [])
     found = resolve_defaults(args)
     check_guidance(("--guidance_scale", args.guidance_scale), ("--guidance_scale_2", args.guidance_scale_2))
     check_dependents(args, given, EVALUATE_DEPENDENTS)
@@ -279,14 +285,9 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
                 stage=Stage.CONFIG,
             )
     info = inspect_teacher(args.teacher_path)
-    if info.kind.experts == 1 and second_given:
-        raise DistillError(
-            f"--guidance_scale_2 {args.guidance_scale_2} sets the guidance of a low-noise expert, but the "
-            f"teacher {info.path} is {info.kind.model}, which has one transformer",
-            f"{info.kind.model} runs its one transformer at every timestep, with --guidance_scale.",
-            fixes=["drop --guidance_scale_2"],
-            stage=Stage.ARGV,
-        )
+    # The trainer's and generate's rule: a one-transformer teacher takes no second scale but 1.
+    rule = second_expert_guidance("guidance_scale_2", info.kind.experts, info.kind.model, "--guidance_scale")
+    check_dependents(args, second, [rule], stage=Stage.ARGV)
     adapters = lora_student(student_dir, info)  # a LoRA folder: checked whole before anything loads
     args.toy_prompts = toy_prompt_count(args.toy_prompts, info.path)  # before anything is sampled
     check_sample_size(

@@ -46,7 +46,13 @@ from typing import Any
 
 import torch
 
-from distill.config.flag_rules import Dependent, check_dependents, check_guidance, given_where
+from distill.config.flag_rules import (
+    Dependent,
+    check_dependents,
+    check_guidance,
+    given_where,
+    second_expert_guidance,
+)
 from distill.models.lora_files import is_lora_folder, lora_files
 from distill.models.pipelines import (
     check_sample_size,
@@ -234,17 +240,12 @@ def generate_dependents(args: argparse.Namespace, two_experts: bool) -> tuple[De
 
 def one_transformer_guidance(args: argparse.Namespace, info: TeacherInfo, given: dict[str, str]) -> None:
     """A teacher with one transformer (TI2V-5B) has one guidance: a --guidance_2 given for it is
-    refused (it would be ignored) unless it is 1, no guidance; the run's recorded second scale is dropped."""
+    refused (the trainer's and evaluate's rule, distill.config.flag_rules.second_expert_guidance)
+    unless it is 1, no guidance; the run's recorded second scale is dropped."""
     if info.kind.experts != 1:
         return
-    if "guidance_2" in given and args.guidance_2 != 1.0:
-        raise DistillError(
-            f"--guidance_2 {args.guidance_2} sets the guidance of a low-noise expert, but the teacher "
-            f"{info.path} is {info.kind.model}, which has one transformer",
-            f"{info.kind.model} runs its one transformer at every timestep, with --guidance.",
-            fixes=["drop --guidance_2 (--guidance is the teacher's one scale)"],
-            stage=Stage.ARGV,
-        )
+    rule = second_expert_guidance("guidance_2", info.kind.experts, info.kind.model, "--guidance")
+    check_dependents(args, given, [rule], stage=Stage.ARGV)
     args.guidance_2 = None
 
 

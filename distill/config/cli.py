@@ -19,6 +19,7 @@ from distill.config.settings import TrainConfig, config_error, field_defaults, f
 from distill.ops.command import PathAction
 from distill.ops.errors import DistillError, Stage
 from distill.ops.paths import Kind, PathFlag, check_paths
+from distill.ops.text_files import read_user_text
 
 # Flags of the origin project that map onto ours, so old launch scripts keep working.
 FLAG_ALIASES = {"--learning_rate": "--lr", "--epochs": "--num_epochs", "--max_steps": "--num_steps"}
@@ -139,7 +140,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON mapping of TrainConfig fields, refusing unknown keys with a suggestion."""
     path = Path(path)
     check_paths([PathFlag("--config", path, Kind.FILE, suffixes=(".yaml", ".yml", ".json"))])
-    text = path.read_text(encoding="utf-8")
+    text = read_user_text(path, "--config")
     try:
         data = read_mapping(path, text)
     except DistillError:
@@ -251,6 +252,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
             raise blame_the_file(error, from_file, given.config) from None
         raise
     check_dependents(cfg, where, TRAIN_DEPENDENTS, field_defaults())
+    cfg.given = where  # type: ignore[misc] - per run: see TrainConfig.given
     return cfg
 
 

@@ -131,6 +131,25 @@ TRAIN_DEPENDENTS = (
 )
 
 
+def second_expert_guidance(name: str, experts: int, model: str, scale_flag: str) -> Dependent:
+    """The rule of a low-noise expert's guidance scale (`name`: the trainer's and evaluate's
+    guidance_scale_2, generate's guidance_2) for a teacher with `experts` transformers.
+
+    One rule for the three commands, so that what docs/ti2v-5b.md says holds for each: a teacher
+    with one transformer (TI2V-5B) never reads a second scale, so any value given other than 1 (no
+    guidance) is refused. Checked with no default for it: the trainer's 3.0 is the A14B low-noise
+    expert's, and a one-transformer teacher has none, so a 3 the user wrote asks for something too.
+    """
+    return Dependent(
+        (name,),
+        lambda _settings: experts == 2,
+        f"a teacher with two experts, and {model} has one transformer",
+        f"{model} runs its one transformer at every timestep, guided by {scale_flag} alone",
+        "",  # nothing to enable: this teacher has no second expert
+        off={name: 1.0},
+    )
+
+
 def given_where(
     command_line: Iterable[str], config_keys: Iterable[str] = (), config: Any = None
 ) -> dict[str, str]:
@@ -162,7 +181,7 @@ def check_dependents(
                 raise DistillError(
                     f"{given[name]} needs {rule.needs}: without it the setting would be ignored",
                     f"{rule.why}.",
-                    fixes=[f"{rule.enable}, or drop {given[name]}"],
+                    fixes=[f"{rule.enable}, or drop {given[name]}" if rule.enable else f"drop {given[name]}"],
                     stage=stage,
                 )
 

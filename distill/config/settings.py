@@ -312,6 +312,12 @@ class TrainConfig:
     )
     dry_run: bool = _opt(False, "Validate everything, print the plan and memory estimate, then exit 0.")
 
+    # Not a setting: each setting the user gave and how to name it (`--name`, or 'name' in FILE),
+    # recorded by parse_config, so that a rule judged once the teacher's kind is known (a second
+    # expert's guidance for a one-transformer teacher) refuses only what was asked for. Empty for
+    # a config built in code, which gives nothing on a command line.
+    given: typing.ClassVar[dict[str, str]] = {}
+
     # ------------------------------------------------------------------------------------------
     def validate(self) -> None:
         """Check every setting that can be checked without loading a model."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.data.captioned_folder import read_captioned_folder
+from distill.data.record_fields import check_record_fields
 from distill.ops.errors import DistillError, Stage
 
 
@@ -87,6 +88,7 @@ def read_prompt_records(
         raise _data_error(
             path, "holds no prompts", "write one prompt per line (lines starting with # are comments)", flag
         )
+    check_record_fields(path, [(record.line, record.fields) for record in records], flag)
     return records
 
 

@@ -88,6 +88,20 @@ def pairs_images(path: Path, flag: str) -> bool:
     records = read_prompt_records(path, flag)
     paired = [record.line for record in records if _has_image(record.fields.get("image"))]
     unpaired = [record.line for record in records if not _has_image(record.fields.get("image"))]
+    if not paired and any("image" in record.fields for record in records):
+        # An image column that no record fills: it says images were meant, and the mode it leaves
+        # (text to video) would only show in the run's last lines. Refused like a mixed file.
+        raise DistillError(
+            f"{flag} {path} has an 'image' field that none of its {len(records)} prompt(s) fills",
+            "A run distils one mode of a text-or-image-to-video teacher, picked by the data: image "
+            "to video when every prompt has its image, text to video when none has. A file with an "
+            "empty image column would be distilled as text to video, which it may not mean.",
+            fixes=[
+                f"to distil text to video, remove the image field from {path} (or pass its prompts as a .txt)",
+                f"or, to distil image to video, give every line its image (paths relative to {path.parent})",
+            ],
+            stage=Stage.DATA,
+        )
     if paired and unpaired:
         raise DistillError(
             f"{flag} {path} gives {len(paired)} prompt(s) an image (line {paired[0]}) and "
@@ -107,16 +121,55 @@ def _has_image(value: object) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
 
+def read_text_prompts(
+    path: str | Path, kind: TeacherKind, flag: str, data_path: str | Path | None
+) -> list[str]:
+    """The prompts of a file a text-to-video run samples beside its training data (--sample_prompts,
+    --eval_prompts): a T2V-A14B run, or TI2V-5B distilled in text mode because `data_path` pairs no
+    images. A file that pairs images is refused: the samples would ignore every image."""
+    records = read_prompt_records(path, flag, images=False)
+    images = [(record.line, record.fields.get("image")) for record in records]
+    refuse_images(Path(path), kind, images, flag, data_path=data_path)
+    return [record.prompt for record in records]
+
+
 def refuse_images(
-    path: Path, kind: TeacherKind, images: Sequence[tuple[int, object]], flag: str, for_training: bool = True
+    path: Path,
+    kind: TeacherKind,
+    images: Sequence[tuple[int, object]],
+    flag: str,
+    for_training: bool = True,
+    data_path: str | Path | None = None,
 ) -> None:
-    """A text-to-video teacher given prompts paired with images: say so, rather than drop the images.
+    """A text-to-video run given prompts paired with images: say so, rather than drop the images.
     The fixes are the command's own: training names the image-to-video teacher; the commands that
-    sample (`for_training` False) name their --student, whose run decides the teacher."""
+    sample (`for_training` False) name their --student, whose run decides the teacher. `data_path`:
+    the run's training data, when `path` is another prompts file of the run (its samples' prompts),
+    whose images a text-mode run of a two-mode teacher ignores too."""
     paired = [(line, value) for line, value in images if _has_image(value)]
     if not paired:
         return
     line, value = paired[0]
+    found = (
+        f"{flag} {path} pairs prompts with images ({len(paired)} record(s); "
+        f"{'first' if path.is_dir() else f'line {line}'}: {value!r})"
+    )
+    if data_path is not None:
+        mode = (
+            f"this run distils {kind.model} in text mode: its --data_path {data_path} pairs no images"
+            if accepts_images(kind)
+            else f"the teacher is {kind.model}, which generates from text only"
+        )
+        raise DistillError(
+            f"{found}, but {mode}",
+            "The samples would ignore every image: each would be rendered from its prompt alone.",
+            fixes=[
+                f"pass a {flag} without images (a .txt of prompts, or {path} without its image field)",
+                f"to sample from images, distil image to video: pair every prompt of --data_path with its "
+                f"image, with {kind.model if accepts_images(kind) else I2V_A14B.model} as the teacher",
+            ],
+            stage=Stage.CONFIG,
+        )
     text_only = f"pass the prompts without their images: a .txt file, one prompt per line, as {flag}"
     without_images = (
         "a .txt file of the captions (one a line)"
@@ -143,9 +196,7 @@ def refuse_images(
             "run_settings.json names that teacher)",
         ]
     raise DistillError(
-        f"{flag} {path} pairs prompts with images ({len(paired)} record(s); "
-        f"{'first' if path.is_dir() else f'line {line}'}: {value!r}), "
-        f"but the teacher is {kind.model}, which generates from text only",
+        f"{found}, but the teacher is {kind.model}, which generates from text only",
         details,
         fixes=fixes,
         stage=Stage.DATA,

@@ -231,6 +231,13 @@ def loss_weight(kind: TeacherKind, noisy: torch.Tensor, condition: Condition | N
     return None
 
 
+def fixed_latent_frames(kind: TeacherKind, image: bool) -> int:
+    """How many leading latent frames the condition fixes, which no loss counts (`loss_weight`):
+    TI2V-5B's image mode replaces latent frame 0 with the image's; every other kind and mode
+    learns every frame (I2V-A14B denoises the image's frame like any other)."""
+    return 1 if kind == TI2V_5B and image else 0
+
+
 def stored_condition(condition: Condition) -> torch.Tensor:
     """What the image-latent cache keeps of one sample's condition (batch of one): its channels
     (I2V-A14B: mask + image latent; TI2V-5B: the image's latent frame). A TI2V mask is rebuilt from

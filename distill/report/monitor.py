@@ -248,7 +248,7 @@ class SampleMonitor:
         self.is_main = rank == 0
         # Only the files a run uses are read (an image-to-video run has no default to fall back on).
         self.image_mode = data_takes_images(info.kind, settings.data_path)
-        size = (info, settings.height, settings.width, self.image_mode)
+        size = (info, settings.height, settings.width, self.image_mode, settings.data_path)
         own_evals = settings.eval_prompts is not None
         self.samples = PromptSet([])
         if settings.save_samples or (settings.eval_interval > 0 and not own_evals):

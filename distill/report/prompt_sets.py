@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from distill.data.images import ImagePreprocessor, read_image_prompts
-from distill.data.prompts import read_prompts
-from distill.data.samples import takes_images
+from distill.data.samples import read_text_prompts, takes_images
 from distill.models.teacher import TeacherInfo
 from distill.ops.errors import DistillError, Stage
 from distill.report.measures import TeacherReference
@@ -41,10 +40,13 @@ def read_prompt_set(
     height: int,
     width: int,
     image: bool | None = None,
+    data_path: str | Path | None = None,
 ) -> PromptSet:
     """The prompts of `path` (None: the default held-out file) for `--flag`, with their images
     preprocessed as the stock pipeline does when the run turns images into videos. `image` is the
-    run's mode (TI2V-5B: its data's); None: the teacher's own (image to video for I2V-A14B)."""
+    run's mode (TI2V-5B: its data's); None: the teacher's own (image to video for I2V-A14B).
+    A text-mode run refuses a file that pairs images (`data_path`, the run's data, says why it is
+    in text mode)."""
     if image is None:
         image = takes_images(info.kind)
     if image:
@@ -66,7 +68,7 @@ def read_prompt_set(
         preprocess = ImagePreprocessor(height, width, info.vae_scale_spatial, f"--{flag}")
         return PromptSet([p.prompt for p in pairs], images={i: preprocess(p) for i, p in enumerate(pairs)})
     found = _found(Path(path) if path else DEFAULT_SAMPLE_PROMPTS, flag)
-    return PromptSet(read_prompts(found, f"--{flag}", images=False))
+    return PromptSet(read_text_prompts(found, info.kind, f"--{flag}", data_path))
 
 
 def _found(path: Path, flag: str) -> Path:

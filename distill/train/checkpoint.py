@@ -137,13 +137,77 @@ def prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def load_checkpoint(path: Path) -> Checkpoint:
-    if not (path / MARKER).is_file():
-        raise DistillError(
-            f"{path} is not a complete checkpoint (no {MARKER} marker: the save was interrupted)",
-            fixes=["pass --resume auto to use the newest complete checkpoint"],
+def resume_problem(path: Path) -> DistillError | None:
+    """Why the folder `--resume` names is not one checkpoint to resume, or None when it is one.
+
+    Checked before anything loads (the teacher, the caches) and again when the checkpoint is read.
+    The folders people pass instead are named as what they are: a run's `checkpoints/` folder or
+    the run's output folder (pass one of its step folders), and a step folder whose save was
+    interrupted (no COMPLETE marker).
+    """
+    if (path / MARKER).is_file():
+        return None
+    inside = next((root for root in (path, checkpoint_root(path)) if _step_folders(root)), None)
+    if inside is not None:
+        complete = complete_checkpoints(inside)
+        what = "a run's checkpoints folder" if inside == path else "a run's output folder"
+        owner = inside.parent
+        return DistillError(
+            f"--resume {path} is {what}, not one checkpoint",
+            f"It holds the step folders of {owner}: --resume takes one of them "
+            f"({', '.join(p.name for p in _step_folders(inside)[-3:])}), or auto.",
+            fixes=[
+                *(
+                    [f"pass one of its step_N folders: --resume {complete[-1]} (the newest complete one)"]
+                    if complete
+                    else []
+                ),
+                f"or --resume auto with --output_dir {owner} (the newest complete checkpoint of that run)",
+            ],
             stage=Stage.CHECKPOINT,
         )
+    if STEP_FOLDER.fullmatch(path.name) or (path / "meta.json").is_file():
+        older = complete_checkpoints(path.parent)
+        return DistillError(
+            f"{path} is not a complete checkpoint (no {MARKER} marker: the save was interrupted)",
+            fixes=[
+                *([f"pass the newest complete one: --resume {older[-1]}"] if older else []),
+                "or --resume auto to use the newest complete checkpoint in --output_dir",
+            ],
+            stage=Stage.CHECKPOINT,
+        )
+    return DistillError(
+        f"--resume {path} is not a checkpoint folder (no {MARKER} marker, no step_N folders)",
+        f"A checkpoint is a folder <output_dir>/checkpoints/step_N holding {MARKER}, meta.json and the weights.",
+        fixes=[
+            "pass one of a run's <output_dir>/checkpoints/step_N folders",
+            "or --resume auto to use the newest complete checkpoint in --output_dir",
+        ],
+        stage=Stage.CHECKPOINT,
+    )
+
+
+def check_resume_flag(resume: str) -> None:
+    """Refuse a --resume folder that is no checkpoint (`resume_problem`) before the run does any
+    work, not when the loop comes to read it after the caches were built."""
+    if resume not in ("auto", "none"):
+        problem = resume_problem(Path(resume))
+        if problem is not None:
+            raise problem
+
+
+def _step_folders(root: Path) -> list[Path]:
+    """Every step folder in `root`, complete or not, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_FOLDER.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    problem = resume_problem(path)
+    if problem is not None:
+        raise problem
     try:
         model = load_file(str(path / "student.safetensors"))
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from distill.config.flag_rules import check_dependents, second_expert_guidance
 from distill.config.settings import TrainConfig
 from distill.models.teacher import TeacherInfo
 from distill.ops.errors import DistillError, Stage
@@ -62,23 +63,17 @@ def check_one_transformer_settings(cfg: TrainConfig, info: TeacherInfo) -> None:
     name the one transformer, whose blocks a `--student_init teacher` start copies.)"""
     if info.kind.experts != 1:
         return
-    default_low = TrainConfig.__dataclass_fields__["guidance_scale_2"].default
-    # A low-noise scale of 1 or less (no guidance) is harmless: the check of the two scales asks for
-    # it beside --guidance_scale 1, which knows no kind.
-    guided_low = cfg.guidance_scale_2 > 1.0 and cfg.guidance_scale_2 != default_low
-    settings = [
-        ("guidance_scale_2", guided_low, "guidance of the low-noise expert"),
-        ("expert_phase", cfg.expert_phase != "both", "which expert's adapters a LoRA phase trains"),
-    ]
-    for flag, given, what in settings:
-        if given:
-            raise DistillError(
-                f"--{flag} {getattr(cfg, flag)} sets the {what}, but {info.kind.model} has one "
-                "transformer: it would be ignored",
-                f"{info.kind.model} runs its one transformer at every timestep, with --guidance_scale.",
-                fixes=[f"drop --{flag}"],
-                stage=Stage.CONFIG,
-            )
+    # The rule generate and evaluate apply too: any second scale the user gave, except 1 (no guidance).
+    rule = second_expert_guidance("guidance_scale_2", info.kind.experts, info.kind.model, "--guidance_scale")
+    check_dependents(cfg, cfg.given, [rule])
+    if cfg.expert_phase != "both":
+        raise DistillError(
+            f"--expert_phase {cfg.expert_phase} sets which expert's adapters a LoRA phase trains, but "
+            f"{info.kind.model} has one transformer: it would be ignored",
+            f"{info.kind.model} runs its one transformer at every timestep, with --guidance_scale.",
+            fixes=["drop --expert_phase"],
+            stage=Stage.CONFIG,
+        )
 
 
 def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[str, Any]) -> None:
@@ -97,4 +92,30 @@ def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[s
                 "student", student_config, cfg.student_config or info.path / "transformer" / "config.json"
             ),
         ],
+    )
+
+
+def check_learned_frames(cfg: TrainConfig, info: TeacherInfo, image: bool) -> None:
+    """Refuse a frame count that leaves no latent frame to learn: in TI2V-5B's image mode latent
+    frame 0 is the image itself, so a run of one latent frame (--num_frames 1) would train on a
+    loss of 0 everywhere and export an untrained student."""
+    from distill.models.conditioning import fixed_latent_frames
+
+    fixed = fixed_latent_frames(info.kind, image)
+    frames = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)[1]
+    if frames > fixed:
+        return
+    fewest = (fixed * info.vae_scale_temporal) + 1  # one latent frame after those the image fixes
+    raise DistillError(
+        f"--num_frames {cfg.num_frames} leaves nothing to learn: {info.kind.model} in image mode "
+        "makes no frame of its own at that length",
+        f"In image mode the image is latent frame 0, which the model never predicts (its tokens are at "
+        f"timestep 0 and no loss counts them), and {cfg.num_frames} frame(s) make {frames} latent "
+        f"frame(s) ({info.vae_scale_temporal} frames each after the first): every loss would be 0 "
+        "and the exported student untrained.",
+        fixes=[
+            f"use --num_frames {fewest} (or more, 4k+1): the frames after the image are learned",
+            "or, to distil single images, distil text to video: a --data_path without images (a .txt)",
+        ],
+        stage=Stage.CONFIG,
     )

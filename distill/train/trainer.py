@@ -64,6 +64,7 @@ from distill.train.loop import RunResult, TrainingLoop
 from distill.train.methods import method_class
 from distill.train.plan import choose_placement, run_plan
 from distill.train.run_checks import (
+    check_learned_frames,
     check_lora_ranks,
     check_one_transformer_settings,
     check_resolution,
@@ -86,6 +87,7 @@ class Distiller:
         # Every path flag before the teacher is read; the output folders are proven writable too,
         # except by a dry run, which writes nothing (and may plan for another machine's paths).
         check_paths(cfg.path_flags(), probe=not cfg.dry_run)
+        ckpt.check_resume_flag(cfg.resume)  # before the teacher and the caches cost anything
         self.ctx = ctx if ctx is not None else dist_utils.setup("auto", cfg.device)
         self.device = self.ctx.device
         self.is_main = self.ctx.is_main
@@ -125,6 +127,7 @@ class Distiller:
         check_one_transformer_settings(cfg, self.info)
         # A prompt per sample, with its image for an image-to-video teacher (read as its kind needs).
         self.samples = read_training_samples(cfg.data_path, self.info.kind, cfg.max_prompts)
+        check_learned_frames(cfg, self.info, image=self.samples[0].image is not None)
         self.prompts = [sample.prompt for sample in self.samples]
         if cfg.dry_run:  # what a dry run passes, the real run can read (not only each image's header)
             decode_images([sample.image for sample in self.samples if sample.image is not None])
