@@ -40,7 +40,9 @@ def test_evaluate_names_its_own_flags(tiny_teacher, tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert (
-        code != 0 and f"--prompts {tmp_path / 'no.txt'}: file not found" in err and "--data_path" not in err
+        code != 0
+        and f"--prompts {tmp_path / 'no.txt'}: file or folder not found" in err
+        and "--data_path" not in err
     )
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\n")

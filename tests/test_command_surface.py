@@ -76,6 +76,7 @@ def bad_values(action: argparse.Action, place: Path) -> list[str]:
             Kind.FILE: place / "folder",
             Kind.OUTPUT_FILE: place / "folder",
             Kind.FILE_OR_FOLDER: place / "afile" / "x",
+            Kind.PROMPTS: place / "afile" / "x",  # a prompts file or a captioned folder: either is right
         }.get(action.kind, place / "afile")  # the folder kinds: a file
         return [str(wrong), str(place / "afile" / "inside")]
     if action.choices is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distill.data.image_latents import image_key
-from distill.data.images import PAIRED_SUFFIXES, ImagePrompt, read_image_prompts
+from distill.data.images import PAIRED_SUFFIXES, ImagePrompt, decode_images, read_image_prompts
 from distill.data.prompts import read_prompt_records
 from distill.models.conditioning import condition_channels
 from distill.models.teacher_kind import I2V_A14B, TeacherKind
@@ -57,6 +57,7 @@ def read_training_samples(
     limit: int | None = None,
     flag: str = "--data_path",
     for_training: bool = True,
+    decode: bool = False,
 ) -> list[TrainingSample]:
     """The first `limit` samples of a prompts file (or captioned-video folder) for a teacher of `kind`.
 
@@ -64,6 +65,8 @@ def read_training_samples(
     the file pairs images (then every line must), text to video when it pairs none."""
     if distils_images(kind, path, flag):
         pairs = read_image_prompts(path, flag)[:limit]
+        if decode:  # in full, not only each header (distill.data.images.decode_images)
+            decode_images(pairs, flag)
         return [TrainingSample(pair.prompt, pair, image_key(pair.image)) for pair in pairs]
     records = read_prompt_records(path, flag, images=False)
     images = [(record.line, record.fields.get("image")) for record in records]

@@ -23,7 +23,6 @@ from distill.config.cli import save_resolved_config
 from distill.config.settings import TrainConfig
 from distill.data.caches import TensorCache
 from distill.data.dataset import DistillationDataset
-from distill.data.images import decode_images
 from distill.data.prepare import (
     ImageInputs,
     embedding_cache,
@@ -125,12 +124,12 @@ class Distiller:
             )
         check_resolution(cfg, self.info, self.student_config)
         check_one_transformer_settings(cfg, self.info)
-        # A prompt per sample, with its image for an image-to-video teacher (read as its kind needs).
-        self.samples = read_training_samples(cfg.data_path, self.info.kind, cfg.max_prompts)
+        # A prompt per sample, with its image for an image-to-video teacher (read as its kind needs;
+        # a dry run decodes each in full: what it passes, the real run can read).
+        data, kind = cfg.data_path, self.info.kind
+        self.samples = read_training_samples(data, kind, cfg.max_prompts, decode=cfg.dry_run)
         check_learned_frames(cfg, self.info, image=self.samples[0].image is not None)
         self.prompts = [sample.prompt for sample in self.samples]
-        if cfg.dry_run:  # what a dry run passes, the real run can read (not only each image's header)
-            decode_images([sample.image for sample in self.samples if sample.image is not None])
         # The samples the teacher samples a clean latent for before step 1: every training sample,
         # unless the method's updates never read them (data-free dmd: a reference set for metrics).
         self.clean_latents = method_class(cfg.method).needs_clean_latents(cfg)
