@@ -361,7 +361,7 @@ def test_bad_prompt_files(tiny_teacher, tmp_path, capsys, kind):
     elif kind == "binary":
         path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00")
     needles = {
-        "missing": "file not found",
+        "missing": "file or folder not found",
         "empty": "holds no prompts",
         "latin1": "is not UTF-8 (bad byte at line 1)",
         "binary": "binary file",

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import tempfile
+import time
+from pathlib import Path
 
 from distill.ops.errors import DistillError, Stage, report
 
@@ -47,5 +51,39 @@ def launch_error(interpreter_name: str, argv: list[str]) -> DistillError:
 
 
 def explain(interpreter_name: str, argv: list[str]) -> int:
-    """Report the mistake (banner on stderr + torchrun error file) and return the ARGV exit code."""
-    return report(launch_error(interpreter_name, argv))
+    """Report the mistake (banner on stderr + torchrun error file) and return the ARGV exit code,
+    once every rank of this node has reported it too."""
+    code = report(launch_error(interpreter_name, argv))
+    wait_for_local_ranks()
+    return code
+
+
+def wait_for_local_ranks(timeout: float = 30.0) -> None:
+    """Under torchrun, return once every rank of this node has reached this point (or `timeout`).
+
+    torchrun stops the other ranks as soon as one exits with an error: on a busy machine a rank still
+    starting would be killed before it printed, and the same mistake would give one banner or two.
+    Each rank leaves a mark in a folder of this launch (its run id and restart) and waits for all
+    LOCAL_WORLD_SIZE marks; local rank 0 removes the folder once they are all there."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if run_id is None or ranks <= 1:
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    marks = Path(tempfile.gettempdir()) / f"distill-launch-{run_id}-{attempt}"
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    try:
+        marks.mkdir(exist_ok=True)
+        (marks / local_rank).touch()
+    except OSError:
+        return  # nowhere to meet: report alone rather than not at all
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if len(os.listdir(marks)) >= ranks:
+                break
+        except FileNotFoundError:  # rank 0 saw every mark and cleared the folder
+            break
+        time.sleep(0.05)
+    if local_rank == "0":
+        shutil.rmtree(marks, ignore_errors=True)
