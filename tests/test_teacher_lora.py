@@ -223,4 +223,29 @@ def test_a_resume_with_another_teacher_lora_is_refused_naming_it(tiny_teacher, p
     assert code == int(Stage.CHECKPOINT), err
     assert "different set of teacher LoRAs (--teacher_lora)" in err
     assert "style_high_noise.safetensors on transformer at scale 0.7" in err and "at scale 0.5" in err
+    # A bad LoRA on that run's folder: refused before the teacher loads, the run's files kept.
+    half = tmp_path / "half"
+    half.mkdir()
+    shutil.copy(pair / "style_high_noise.safetensors", half)
+    for bad in (f"{pair}:nan", str(half)):
+        assert main([*more, "--teacher_lora", bad]) == int(Stage.CONFIG)
+        assert "--teacher_lora" in capsys.readouterr().err
     assert (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file()  # nothing written is lost
+    assert (out / "student" / "run_settings.json").is_file()
+
+
+def test_the_flag_repeats_and_a_config_file_takes_one_value_or_a_list(tiny_teacher, pair, tmp_path):
+    from distill.config.cli import load_config_file, parse_config
+
+    args = train_args(tiny_teacher, tmp_path / "out", tmp_path / "cache")
+    high, low = (str(pair / f"style_{w}_noise.safetensors") for w in ("high", "low"))
+    assert parse_config([*args, "--teacher_lora", high, "--teacher_lora", f"{low}:0.5"]).teacher_lora == [
+        high,
+        f"{low}:0.5",
+    ]
+    assert parse_config(args).teacher_lora is None
+    listed, single = tmp_path / "listed.yaml", tmp_path / "single.yaml"
+    listed.write_text(f"teacher_lora: [{high}, {low}]\n")
+    single.write_text(f"teacher_lora: {pair}:0.7\n")
+    assert load_config_file(listed)["teacher_lora"] == [high, low]
+    assert load_config_file(single)["teacher_lora"] == [f"{pair}:0.7"]
