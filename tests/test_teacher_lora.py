@@ -249,3 +249,24 @@ def test_the_flag_repeats_and_a_config_file_takes_one_value_or_a_list(tiny_teach
     single.write_text(f"teacher_lora: {pair}:0.7\n")
     assert load_config_file(listed)["teacher_lora"] == [high, low]
     assert load_config_file(single)["teacher_lora"] == [f"{pair}:0.7"]
+
+
+def musubi_key(key: str) -> str:
+    name = key.removeprefix("diffusion_model.")
+    tail = next(t for t in (".lora_down.weight", ".lora_up.weight", ".alpha") if name.endswith(t))
+    return "lora_unet_" + name.removesuffix(tail).replace(".", "_") + tail
+
+
+def test_a_musubi_tuner_file_fuses_as_its_wan_form_does(tiny_teacher, pair, tmp_path):
+    from safetensors.torch import load_file
+
+    wan = load_file(pair / "style_high_noise.safetensors")
+    # musubi-tuner / kohya name the same modules lora_unet_blocks_0_self_attn_q.lora_down.weight.
+    musubi = {musubi_key(key): value for key, value in wan.items()}
+    save_file(musubi, tmp_path / "style_high.safetensors")
+    info = inspect_teacher(str(tiny_teacher))
+    (from_wan, _), (from_musubi, _) = (
+        load_experts(with_teacher_loras(info, [path]), torch.float32)
+        for path in (str(pair / "style_high_noise.safetensors"), str(tmp_path / "style_high.safetensors"))
+    )
+    torch.testing.assert_close(forward(from_musubi), forward(from_wan), rtol=1e-5, atol=1e-6)
