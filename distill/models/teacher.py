@@ -37,7 +37,13 @@ from distill.models.teacher_kind import (
     refuse_undistillable,
     resume_command,
 )
-from distill.models.teacher_lora import TeacherLora, check_loras_fit, fuse_teacher_loras, parse_teacher_loras
+from distill.models.teacher_lora import (
+    TeacherLora,
+    check_loras_fit,
+    check_recorded_kinds,
+    fuse_teacher_loras,
+    parse_teacher_loras,
+)
 from distill.ops.errors import DistillError, Stage
 
 logger = logging.getLogger(__name__)
@@ -417,9 +423,13 @@ def with_teacher_loras(info: TeacherInfo, specs: list[str] | tuple[str, ...] | N
     """`info` with the LoRAs of --teacher_lora, each file read and checked against an empty model of
     its expert: a missing file, a bad scale, half a pair or a LoRA of another model is refused here,
     before a cache or an output is written."""
-    if not specs:
-        return info
-    loras = parse_teacher_loras(list(specs), info.kind.experts)
+    return with_loras(info, parse_teacher_loras(list(specs), info.kind.experts)) if specs else info
+
+
+def with_loras(info: TeacherInfo, loras: tuple[TeacherLora, ...]) -> TeacherInfo:
+    """`info` with `loras` (parsed, or as a run recorded them), each checked against its expert and
+    against the model an export of ours records (teacher_lora.check_recorded_kinds)."""
+    check_recorded_kinds(loras, info.kind, info.path)
     configs = {
         folder: _read_json(info.path / folder / "config.json", info.path) for folder in info.expert_folders
     }

@@ -19,6 +19,7 @@ Which expert a file is for (Wan 2.2 LoRAs come per expert):
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import re
@@ -29,6 +30,9 @@ from typing import Any
 
 import torch
 
+from distill.models.lora_files import FILES, KIND_KEY, ONE_FILE
+from distill.models.student_kind import kind_named
+from distill.models.teacher_kind import TeacherKind
 from distill.ops.errors import DistillError, Stage
 
 logger = logging.getLogger(__name__)
@@ -284,3 +288,84 @@ def fuse_teacher_loras(
         model.unload_lora()
         logger.info("fused %s into the teacher's %s at scale %g", lora.path, expert, lora.scale)
     model.requires_grad_(False)
+
+
+def recorded_kind(path: Path) -> tuple[str, str] | None:
+    """(value, where) of the teacher model one of our LoRA exports records (KIND_KEY): the file's own
+    metadata (lora/comfyui/), else the adapter_config.json beside one of our file names (lora/);
+    None for a file that records none (every LoRA made elsewhere)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as handle:
+            value = (handle.metadata() or {}).get(KIND_KEY)
+    except Exception:  # unreadable: read_lora names it
+        value = None
+    if isinstance(value, str) and value:
+        return value, f"{path} (its metadata): {KIND_KEY} = {value}"
+    config = path.parent / "adapter_config.json"
+    if path.name not in (*FILES.values(), *ONE_FILE.values()) or not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_text()).get(KIND_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (value, f"{config}: {KIND_KEY} = {value}") if isinstance(value, str) and value else None
+
+
+def check_recorded_kinds(loras: Sequence[TeacherLora], kind: TeacherKind, teacher_path: Path) -> None:
+    """Refuse an export of this trainer made for another Wan 2.2 model than the teacher's: the LoRA
+    layers of the T2V-A14B and I2V-A14B experts have the same shapes, so only its record tells."""
+    for lora in loras:
+        recorded = recorded_kind(lora.path)
+        other = kind_named(recorded[0]) if recorded else None
+        if recorded is None or other is None or other == kind:
+            continue
+        raise _refusal(
+            f"{FLAG} {lora.path}: a LoRA of {other.model} ({other.task}); this teacher is {kind.model} "
+            f"({kind.task})",
+            f"recorded: {recorded[1]}\nthis teacher: {teacher_path}\nIts layers have the same shapes on "
+            f"both models' experts, so it would load, but it learned {other.model}'s input ({other.inputs}).",
+            [
+                f"pass a LoRA trained for {kind.model}, or drop {FLAG} {lora.path}",
+                f"or use it on the teacher it was made for: --teacher_path (a {other.model} folder)",
+            ],
+        )
+
+
+def from_records(
+    records: Sequence[Mapping[str, Any]], where: Path, kind: TeacherKind
+) -> tuple[TeacherLora, ...]:
+    """The LoRAs a run recorded (run_settings.json `teacher_loras`, written by `TeacherLora.record`),
+    each file still there with the content it had: a file missing or changed since is refused naming
+    it, with the flags that name it again or leave it out."""
+    loras = []
+    for record in records:
+        path, scale = Path(str(record.get("file"))), float(record.get("scale", 1.0))
+        again = f"{FLAG} NEW/PATH/{path.name}:{scale!r}"
+        if record.get("expert") not in (HIGH, LOW)[: kind.experts]:
+            raise _refusal(
+                f"{where} records a LoRA for the teacher's {record.get('expert')}, which {kind.model} has not",
+                f"{path.name}: the run that made the student had a teacher of another model.",
+                [f"pass the run's --teacher_path, or compare with this teacher bare: {FLAG} none"],
+            )
+        if not path.is_file():
+            raise _refusal(
+                f"{path.name}, a LoRA the student's teacher carried, is gone: {path}",
+                f"{where} (teacher_loras) says the student was distilled against the teacher with it fused "
+                f"into {record.get('expert')} at scale {scale!r} (sha256 {record.get('sha256')}); the teacher's "
+                "reference needs it to be that teacher.",
+                [f"pass where the file is now: {again}", f"or compare with the bare teacher: {FLAG} none"],
+            )
+        sha256 = _sha256(path)
+        if sha256 != record.get("sha256"):
+            raise _refusal(
+                f"{path} has changed since the student was distilled against it",
+                f"{where} (teacher_loras) recorded sha256 {record.get('sha256')}; the file now has {sha256}.",
+                [
+                    f"put back the file the run used, or pass the one you mean: {FLAG} {path}:{scale!r}",
+                    f"or compare with the bare teacher: {FLAG} none",
+                ],
+            )
+        loras.append(TeacherLora(path.resolve(), scale, str(record.get("expert")), sha256))
+    return tuple(loras)
