@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from distill.models.lora import LoraShape
 from distill.models.lora_files import write_lora_folder
 from distill.models.teacher import inspect_teacher, load_experts, with_teacher_loras
-from distill.models.teacher_kind import T2V_A14B, TI2V_5B
+from distill.models.teacher_kind import I2V_A14B, T2V_A14B, TI2V_5B
 from distill.models.tiny import write_tiny_teacher
 from distill.ops.errors import DistillError, Stage, format_banner
 from train_distillation import main
@@ -270,3 +270,52 @@ def test_a_musubi_tuner_file_fuses_as_its_wan_form_does(tiny_teacher, pair, tmp_
         for path in (str(pair / "style_high_noise.safetensors"), str(tmp_path / "style_high.safetensors"))
     )
     torch.testing.assert_close(forward(from_musubi), forward(from_wan), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def i2v_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_teacher(tmp_path_factory.mktemp("i2v") / "teacher", seed=0, kind=I2V_A14B)
+
+
+def test_the_i2v_teacher_fuses_a_wan_pair_as_the_stock_i2v_pipeline_does(i2v_teacher, pair):
+    from diffusers import WanImageToVideoPipeline
+
+    info = with_teacher_loras(inspect_teacher(str(i2v_teacher)), [f"{pair}:0.6"])
+    assert info.kind == I2V_A14B
+    ours = load_experts(info, torch.float32)
+    bare = load_experts(inspect_teacher(str(i2v_teacher)), torch.float32)
+    pipe = WanImageToVideoPipeline.from_pretrained(i2v_teacher)
+    pipe.load_lora_weights(pair, weight_name="style_high_noise.safetensors", adapter_name="style")
+    pipe.load_lora_weights(
+        pair, weight_name="style_low_noise.safetensors", adapter_name="style_2", load_into_transformer_2=True
+    )
+    pipe.fuse_lora(lora_scale=0.6, components=["transformer", "transformer_2"])
+    channels = info.expert_config["in_channels"]  # noise, mask and the image's latent
+    assert channels > 16
+    for mine, stock, base in zip(ours, (pipe.transformer, pipe.transformer_2), bare, strict=True):
+        torch.testing.assert_close(forward(mine, channels), forward(stock, channels), rtol=1e-5, atol=1e-6)
+        assert (forward(mine, channels) - forward(base, channels)).abs().max() > 1e-2
+
+
+def test_our_export_for_another_teacher_kind_is_refused_naming_both(tiny_teacher, i2v_teacher, tmp_path):
+    g = torch.Generator().manual_seed(4)
+    state = {
+        f"blocks.{b}.attn1.to_q.lora_{ab}.weight": torch.randn(shape, generator=g)
+        for b in range(BLOCKS)
+        for ab, shape in (("A", (2, WIDTH)), ("B", (WIDTH, 2)))
+    }
+    shape = LoraShape(2, 4.0, ("to_q",))
+    i2v = write_lora_folder({"high": state, "low": state}, shape, tmp_path / "i2v_lora", I2V_A14B)
+    t2v = write_lora_folder({"high": state, "low": state}, shape, tmp_path / "t2v_lora", T2V_A14B)
+    # Same shapes on both teachers: only the record tells; each format, folder or one file of it.
+    for given in (i2v, i2v / "comfyui", i2v / "high_noise_lora.safetensors"):
+        with pytest.raises(DistillError) as refused:
+            with_teacher_loras(inspect_teacher(str(tiny_teacher)), [str(given)])
+        text = format_banner(refused.value)
+        assert "a LoRA of Wan2.2-I2V-A14B (image to video); this teacher is Wan2.2-T2V-A14B" in text, text
+        assert "teacher_kind = i2v-a14b" in text
+    with pytest.raises(DistillError, match="a LoRA of Wan2.2-T2V-A14B .* this teacher is Wan2.2-I2V-A14B"):
+        with_teacher_loras(inspect_teacher(str(i2v_teacher)), [str(t2v / "comfyui")])
+    # Each on its own teacher: accepted (the fix the banner offers).
+    assert len(with_teacher_loras(inspect_teacher(str(i2v_teacher)), [str(i2v)]).loras) == 2
+    assert len(with_teacher_loras(inspect_teacher(str(tiny_teacher)), [str(t2v)]).loras) == 2
