@@ -188,3 +188,44 @@ def test_evaluate_compares_with_the_run_s_teacher_and_refuses_a_lora_gone_or_cha
     finally:
         shutil.rmtree(pair, ignore_errors=True)
         shutil.copytree(moved, pair)
+
+
+def test_a_lora_student_samples_on_the_fused_teacher_as_stock_diffusers_stacks_them(
+    run, tiny_teacher, tmp_path
+):
+    """A speed LoRA distilled against teacher + user pair: generate runs base + user + speed, as a
+    user stacks them in stock WanPipeline (the user's pair fused, then both speed adapters)."""
+    from diffusers import WanPipeline
+
+    _, pair = run
+    args = train_args(
+        tiny_teacher, tmp_path / "out", tmp_path / "cache", num_steps=2, max_prompts=4, student_config=None
+    )
+    assert train([*args, "--student_lora_rank", "4", "--teacher_lora", f"{pair}:0.7"]) == 0
+    lora = tmp_path / "out" / "lora"
+    ours = generate_latent(["--student", str(lora), *ONE_MODEL])  # the run's pair, by default
+    bare = generate_latent(["--student", str(lora), *ONE_MODEL, "--teacher_lora", "none"])
+    pipe = WanPipeline.from_pretrained(tiny_teacher)
+    pipe.load_lora_weights(pair, weight_name="style_high_noise.safetensors", adapter_name="style")
+    pipe.load_lora_weights(
+        pair, weight_name="style_low_noise.safetensors", adapter_name="s2", load_into_transformer_2=True
+    )
+    pipe.fuse_lora(lora_scale=0.7, components=["transformer", "transformer_2"])
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(lora, weight_name="high_noise_lora.safetensors", adapter_name="fast")
+    pipe.load_lora_weights(
+        lora, weight_name="low_noise_lora.safetensors", adapter_name="fast_2", load_into_transformer_2=True
+    )
+    stock = pipe(
+        prompt="a red cube",
+        height=16,
+        width=16,
+        num_frames=1,
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="latent",
+        max_sequence_length=16,
+    ).frames[0]
+    torch.testing.assert_close(ours, stock, rtol=1e-4, atol=1e-5)
+    assert (ours - bare).abs().max() > 0.1
