@@ -164,7 +164,11 @@ def test_evaluate_compares_with_the_run_s_teacher_and_refuses_a_lora_gone_or_cha
         assert evaluate.main(evaluate_args(student, tmp_path / "gone")) == CONFIG
         err = capsys.readouterr().err
         assert "style_high_noise.safetensors, a LoRA the student's teacher carried, is gone" in err, err
-        assert "--teacher_lora NEW/PATH/style_high_noise.safetensors:0.7" in err
+        # The fix names the pair again, both files (a folder is recorded as its files).
+        assert (
+            "--teacher_lora NEW/PATH/style_high_noise.safetensors:0.7 "
+            "--teacher_lora NEW/PATH/style_low_noise.safetensors:0.7" in err
+        ), err
         assert not (tmp_path / "gone" / "eval.json").exists()
         given = evaluate_args(student, tmp_path / "given")
         assert evaluate.main([*given, "--teacher_lora", f"{moved}:0.7"]) == 0

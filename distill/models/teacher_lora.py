@@ -339,10 +339,12 @@ def from_records(
     """The LoRAs a run recorded (run_settings.json `teacher_loras`, written by `TeacherLora.record`),
     each file still there with the content it had: a file missing or changed since is refused naming
     it, with the flags that name it again or leave it out."""
+    # The flags that name the same files again (a folder's pair as its two files, each file once).
+    named = dict.fromkeys((Path(str(r.get("file"))), float(r.get("scale", 1.0))) for r in records)
+    again = " ".join(f"{FLAG} NEW/PATH/{file.name}:{scale!r}" for file, scale in named)
     loras = []
     for record in records:
         path, scale = Path(str(record.get("file"))), float(record.get("scale", 1.0))
-        again = f"{FLAG} NEW/PATH/{path.name}:{scale!r}"
         if record.get("expert") not in (HIGH, LOW)[: kind.experts]:
             raise _refusal(
                 f"{where} records a LoRA for the teacher's {record.get('expert')}, which {kind.model} has not",
@@ -355,7 +357,7 @@ def from_records(
                 f"{where} (teacher_loras) says the student was distilled against the teacher with it fused "
                 f"into {record.get('expert')} at scale {scale!r} (sha256 {record.get('sha256')}); the teacher's "
                 "reference needs it to be that teacher.",
-                [f"pass where the file is now: {again}", f"or compare with the bare teacher: {FLAG} none"],
+                [f"pass where the files are now: {again}", f"or compare with the bare teacher: {FLAG} none"],
             )
         sha256 = _sha256(path)
         if sha256 != record.get("sha256"):
@@ -363,7 +365,8 @@ def from_records(
                 f"{path} has changed since the student was distilled against it",
                 f"{where} (teacher_loras) recorded sha256 {record.get('sha256')}; the file now has {sha256}.",
                 [
-                    f"put back the file the run used, or pass the one you mean: {FLAG} {path}:{scale!r}",
+                    "put back the file the run used, or pass the ones you mean: "
+                    + " ".join(f"{FLAG} {file}:{scale!r}" for file, scale in named),
                     f"or compare with the bare teacher: {FLAG} none",
                 ],
             )
