@@ -18,6 +18,10 @@ before anything loads.
 A Wan2.2-TI2V-5B student is compared in the mode its run distilled (run_settings.json): text to
 video on a prompts file, image to video on a file pairing images; the other mode is refused.
 
+The teacher carries the user's LoRAs the student was distilled against (run_settings.json
+`teacher_loras`, each file checked unchanged), or those of `--teacher_lora PATH[:SCALE]` (repeatable;
+`--teacher_lora none`: the bare teacher): distill.sample.teacher_loras.
+
 The teacher is Wan 2.2 A14B as it is meant to be used: both experts, switched at
 t = boundary_ratio * 1000, each with classifier-free guidance (4.0 / 3.0); TI2V-5B runs its one
 transformer at every step with --guidance_scale. The student runs alone
@@ -85,6 +89,7 @@ from distill.sample.run_settings import (
     find_run_settings,
     warn_without_run_settings,
 )
+from distill.sample.teacher_loras import add_teacher_lora_flag, teacher_with_loras
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--negative_prompt", help="Teacher's negative prompt (default: the run's, else empty)."
     )
+    add_teacher_lora_flag(parser, "a LoRA student runs on the same fused experts")
     parser.add_argument("--max_prompts", type=integer(1), default=None, help="Use only the first N prompts.")
     parser.add_argument(
         "--max_sequence_length",
@@ -284,7 +290,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
                 fixes=[f"use --{name} 1 or more"],
                 stage=Stage.CONFIG,
             )
-    info = inspect_teacher(args.teacher_path)
+    info = teacher_with_loras(inspect_teacher(args.teacher_path), args.teacher_lora, found)
     # The trainer's and generate's rule: a one-transformer teacher takes no second scale but 1.
     rule = second_expert_guidance("guidance_scale_2", info.kind.experts, info.kind.model, "--guidance_scale")
     check_dependents(args, second, [rule], stage=Stage.ARGV)
@@ -355,6 +361,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     extra = {
         "student": str(student_dir.resolve()),
         "teacher": str(info.path),
+        "teacher_loras": [lora.record() for lora in info.loras],
         "prompts": str(args.prompts),
         "step": None,
     }

@@ -30,6 +30,10 @@ frame of every prompt's video, or `--prompts_file pairs.jsonl` pairs each prompt
 brought to the sample's size as stock WanImageToVideoPipeline does, and the sample equals that
 pipeline's for the same image, prompt and seed.
 
+The teacher's experts (--teacher_only, and under a LoRA student's adapters) carry the user's LoRAs its
+run was distilled against, or those of `--teacher_lora PATH[:SCALE]` (`none`: the bare teacher), fused
+as the trainer fuses them (distill.sample.teacher_loras).
+
 One prompt: --output is the file (.png for 1 frame, .mp4 otherwise; the suffix is added when
 missing). Several prompts (--prompts_file, or --prompt given more than once) or an existing
 folder: --output is a folder that receives prompt_00.png, prompt_01.png, ... (clips: prompt_00.mp4,
@@ -88,6 +92,7 @@ from distill.sample.student_folder import (
     teacher_limits,
     trained_size_fix,
 )
+from distill.sample.teacher_loras import add_teacher_lora_flag, teacher_lora_rule, teacher_with_loras
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +232,7 @@ def generate_dependents(args: argparse.Namespace, two_experts: bool) -> tuple[De
             "use --guidance for this student",
             off={"guidance_2": 1.0},  # no guidance: what a one-model student samples with anyway
         ),
+        teacher_lora_rule(two_experts, "--teacher_only or a LoRA student (OUTPUT/lora)"),
         Dependent(
             ("negative_prompt",),
             lambda a: a.guidance > 1.0,
@@ -269,8 +275,8 @@ def path_flags(args: argparse.Namespace) -> list[PathFlag]:
     ]
 
 
-def generate(args: argparse.Namespace) -> list[Path]:
-    """Render every prompt and write it; returns the written files."""
+def prepare(args: argparse.Namespace) -> tuple[Any, list[str], list[Path], Any]:
+    """Every flag resolved and checked, then (pipeline, prompts, output files, images or None)."""
     from distill.models.teacher import inspect_teacher
 
     check_paths(path_flags(args), probe=False)  # kinds first; the output's folder is probed below
@@ -284,7 +290,9 @@ def generate(args: argparse.Namespace) -> list[Path]:
         require_student_folder(args.student)
     # The flags given (an empty negative prompt is the default's and changes nothing).
     given = given_where(
-        name for name in ("guidance_2", "negative_prompt") if getattr(args, name) not in (None, "")
+        name
+        for name in ("guidance_2", "negative_prompt", "teacher_lora")
+        if getattr(args, name) not in (None, "")
     )
     found = resolve_defaults(args)
     check_counts(args)
@@ -295,6 +303,8 @@ def generate(args: argparse.Namespace) -> list[Path]:
         writable_folder(folder, "--output", create=False)
     info = inspect_teacher(args.teacher_path)
     one_transformer_guidance(args, info, given)
+    if args.teacher_only or is_lora_folder(args.student):  # the teacher's experts render: its LoRAs
+        info = teacher_with_loras(info, args.teacher_lora, found)
     if not args.teacher_only:
         lora_student(args.student, info)  # a LoRA folder: checked whole before anything loads
     model = teacher_limits(info) if args.teacher_only else student_limits(args.student, info)
@@ -323,22 +333,19 @@ def generate(args: argparse.Namespace) -> list[Path]:
     who = "teacher" if args.teacher_only else "student"
     if len(info.kind.pipeline_classes) > 1:
         who += f" ({info.kind.model}, {'image' if images is not None else 'text'} to video)"
-    logger.info(
-        describe(
-            args,
-            who,
-            f"defaults from {found[1]}; flags override" if found else "flags and built-in defaults",
-        )
-    )
+    source = f"defaults from {found[1]}; flags override" if found else "flags and built-in defaults"
+    logger.info(describe(args, who, source))
     device = pick_device(args.device)
+    run = found[0] if found else None
     pipe = build_pipeline(
-        args,
-        info,
-        device,
-        resolve_dtype(args.dtype, device),
-        found[0] if found else None,
-        image=images is not None,
+        args, info, device, resolve_dtype(args.dtype, device), run, image=images is not None
     )
+    return pipe, prompts, targets, images
+
+
+def generate(args: argparse.Namespace) -> list[Path]:
+    """Render every prompt and write it; returns the written files."""
+    pipe, prompts, targets, images = prepare(args)
     written, clips = [], []
     for i, (prompt, target) in enumerate(zip(prompts, targets)):
         frames = render(pipe, args, prompt, args.seed + i, image=images_of(images, i))
@@ -453,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--teacher_only", action="store_true", help="Render the teacher instead of the student."
     )
+    add_teacher_lora_flag(parser, "with --teacher_only, or for a LoRA student: base + these + its adapters")
     parser.add_argument(
         "--max_sequence_length",
         type=integer(1),

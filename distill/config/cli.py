@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         flags = [f"--{f.name}"] + [alias for alias, target in FLAG_ALIASES.items() if target == f"--{f.name}"]
         if base is bool:
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+        elif typing.get_origin(base) is list:  # a repeatable flag: each use adds one value
+            parser.add_argument(*flags, action="append", help=help_text, metavar=f.metadata.get("metavar"))
         elif f"--{f.name}" in paths:
             rule = paths[f"--{f.name}"]
             parser.add_argument(
@@ -229,6 +231,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     types = field_types()
     for name, value in list(values.items()):
         base = next((a for a in typing.get_args(types[name]) if a is not type(None)), types[name])
+        base = typing.get_origin(base) or base  # list[str] is checked as a list
         if value is not None and base is float and isinstance(value, int):
             values[name] = float(value)
         elif value is not None and not isinstance(value, base):

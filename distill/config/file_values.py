@@ -79,6 +79,13 @@ def check_value(name: str, value: Any, kind: Any, default: Any, path: Path) -> A
             "YAML reads an empty value, null and ~ as nothing; this setting needs one.",
             f"give it a value, e.g. {name}: {_example(base, default)}, {keep}",
         )
+    if typing.get_origin(base) is list:  # a repeatable setting: one value or a list of them
+        values = value if isinstance(value, list) else [value]
+        if all(isinstance(v, str) for v in values):
+            return list(values)
+        raise _refusal(
+            f"{where} must be text or a list of text, got {value!r}", "", f"e.g. {name}: [a.safetensors]"
+        )
     if isinstance(value, (list, dict)):
         what = "a list" if isinstance(value, list) else "a mapping"
         if base is str and isinstance(value, list) and all(isinstance(v, str) for v in value):

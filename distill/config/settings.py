@@ -85,6 +85,14 @@ class TrainConfig:
         "The origin project's name for --teacher_placement: cpu, balanced (= shard), auto.",
         ("cpu", "balanced", "gpu0", "auto"),
     )
+    teacher_lora: list[str] | None = _opt(
+        None,
+        "The user's LoRA to fuse into the teacher, PATH[:SCALE] (scale 1 when left out); repeat the flag "
+        "for several. A .safetensors file (diffusers/peft, Wan/ComfyUI or musubi-tuner keys): a name with "
+        "`high` or `low` says its expert, neither means both experts (or the one transformer of TI2V-5B); "
+        "or a folder holding a high/low pair. Fused before any cache is built; part of the teacher's identity.",
+        metavar="PATH[:SCALE]",
+    )
     boundary_ratio: float | None = _opt(
         None,
         "Expert switch: t >= ratio*1000 uses the high-noise expert (default: the teacher's model_index.json).",

@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,13 @@ from distill.models.teacher_kind import (
     folder_kind,
     refuse_undistillable,
     resume_command,
+)
+from distill.models.teacher_lora import (
+    TeacherLora,
+    check_loras_fit,
+    check_recorded_kinds,
+    fuse_teacher_loras,
+    parse_teacher_loras,
 )
 from distill.ops.errors import DistillError, Stage
 
@@ -156,6 +163,8 @@ class TeacherInfo:
     vae_scale_temporal: int
     # Which Wan 2.2 model, read from its files (models/teacher_kind.py): only distillable kinds get here.
     kind: TeacherKind = T2V_A14B
+    # The user's LoRAs fused into the experts as they load (--teacher_lora): part of the teacher.
+    loras: tuple[TeacherLora, ...] = ()
 
     @property
     def expert_folders(self) -> tuple[str, ...]:
@@ -192,11 +201,15 @@ class TeacherInfo:
         stored_dtype_bytes = 2 if self.expert_config.get("_stored_in_16_bit", True) else 4
         return on_disk * (torch.finfo(dtype).bits // 8) // stored_dtype_bytes
 
-    def fingerprint(self, *components: str) -> str:
+    def fingerprint(self, *components: str, with_loras: bool = True) -> str:
         """A content key for `components`: configs, file names and sizes, and the first and last MiB
         of every weight file. Cheap on 60 GB of weights, yet two differently initialised teachers
-        of the same shape never share a cache."""
+        of the same shape never share a cache. The LoRAs fused into an expert of `components` count
+        as its content (each file's hash, expert and scale); without LoRAs the key is as it was."""
         digest = hashlib.sha256()
+        fused = [lora for lora in self.loras if lora.expert in components] if with_loras else []
+        for lora in fused:
+            digest.update(f"lora {lora.expert} {lora.scale!r} {lora.sha256}".encode())
         for component in components:
             folder = self.path / component
             for file in sorted(p for p in folder.rglob("*") if p.is_file()):
@@ -250,13 +263,15 @@ def inspect_teacher(
     boundary_ratio: float | None = None,
     convert_dir: str | Path | None = None,
     configs_only: bool = False,
+    loras: list[str] | None = None,
 ) -> TeacherInfo:
     """Resolve the teacher and read its layout, refusing anything that is not a complete Wan 2.2 T2V teacher.
 
     A folder in the ORIGINAL Wan layout is converted once to the diffusers layout under
     `convert_dir` (default: $WAN_DISTILL_CONVERT_DIR or ~/.cache/wan-distill/converted) and the
     returned info points at that copy, so every later stage reads the diffusers layout. With
-    `configs_only` (a --dry_run plan) a hub id is fetched without its weights.
+    `configs_only` (a --dry_run plan) a hub id is fetched without its weights. `loras`: the
+    --teacher_lora values, read and checked now (see `with_teacher_loras`).
     """
     if not configs_only:
         _refuse_undistillable_hub_id(path_or_id)
@@ -301,7 +316,7 @@ def inspect_teacher(
         bool(d) for d in vae.get("temperal_downsample", [])
     )
     spatial = vae.get("scale_factor_spatial") or 2 ** len(vae.get("temperal_downsample", [0, 0, 0]))
-    return TeacherInfo(
+    info = TeacherInfo(
         path=path,
         boundary_ratio=ratio,
         flow_shift=float(scheduler.get("flow_shift") or scheduler.get("shift") or 3.0),
@@ -310,6 +325,7 @@ def inspect_teacher(
         vae_scale_temporal=int(temporal),
         kind=kind,
     )
+    return with_teacher_loras(info, loras)
 
 
 def _boundary_ratio(path: Path, index: dict[str, Any], flag: float | None, kind: TeacherKind) -> float | None:
@@ -395,9 +411,30 @@ def load_expert(info: TeacherInfo, subfolder: str, dtype: torch.dtype) -> Any:
 
 def load_experts(info: TeacherInfo, dtype: torch.dtype) -> tuple[Any, Any | None]:
     """(transformer, transformer_2) of the teacher, frozen on the CPU: the high- and low-noise
-    experts of an A14B model, or its one transformer and None (TI2V-5B)."""
-    high = load_expert(info, "transformer", dtype)
-    return high, (load_expert(info, "transformer_2", dtype) if info.kind.experts == 2 else None)
+    experts of an A14B model, or its one transformer and None (TI2V-5B); the user's LoRAs
+    (`info.loras`) fused in here, before any placement, so every placement holds fused weights."""
+    experts = [load_expert(info, folder, dtype) for folder in info.expert_folders]
+    for folder, model in zip(info.expert_folders, experts, strict=True):
+        fuse_teacher_loras(model, folder, info.loras, info.kind.model)
+    return experts[0], (experts[1] if len(experts) == 2 else None)
+
+
+def with_teacher_loras(info: TeacherInfo, specs: list[str] | tuple[str, ...] | None) -> TeacherInfo:
+    """`info` with the LoRAs of --teacher_lora, each file read and checked against an empty model of
+    its expert: a missing file, a bad scale, half a pair or a LoRA of another model is refused here,
+    before a cache or an output is written."""
+    return with_loras(info, parse_teacher_loras(list(specs), info.kind.experts)) if specs else info
+
+
+def with_loras(info: TeacherInfo, loras: tuple[TeacherLora, ...]) -> TeacherInfo:
+    """`info` with `loras` (parsed, or as a run recorded them), each checked against its expert and
+    against the model an export of ours records (teacher_lora.check_recorded_kinds)."""
+    check_recorded_kinds(loras, info.kind, info.path)
+    configs = {
+        folder: _read_json(info.path / folder / "config.json", info.path) for folder in info.expert_folders
+    }
+    check_loras_fit(loras, configs, info.kind.model)
+    return replace(info, loras=loras)
 
 
 def shard_expert(model: Any, device: torch.device, world_size: int) -> Any:

@@ -235,6 +235,18 @@ def _teacher_words(settings: RunSettings) -> str:
     )
 
 
+def _teacher_lora_lines(settings: RunSettings) -> list[str]:
+    """The user's LoRAs the teacher carried (--teacher_lora), fused at their scales."""
+    experts = {"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"}
+    if settings.one_transformer:
+        experts = {"transformer": "the transformer"}
+    return [
+        f"- teacher LoRA: `{Path(str(lora.get('file'))).name}` fused into {experts.get(lora.get('expert'), lora.get('expert'))} "
+        f"at scale {lora.get('scale')} (sha256 {lora.get('sha256')}): the student learned the teacher with it"
+        for lora in settings.teacher_loras
+    ]
+
+
 def model_card_text(
     settings: RunSettings, kind: str, folder_ref: str, eval_result: Mapping[str, Any] | None = None
 ) -> str:
@@ -317,6 +329,7 @@ def model_card_text(
         "## Training",
         "",
         f"- teacher: `{teacher}` ({_teacher_words(settings)}), negative prompt {settings.negative_prompt!r}",
+        *_teacher_lora_lines(settings),
         f"- clean latents from {settings.teacher_sample_steps} teacher steps; training timesteps with flow "
         f"shift {settings.flow_shift}",
         "",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,10 @@ class RunSettings:
     teacher_kind: str | None = None
     """The teacher's model (models/teacher_kind.py short name, e.g. ti2v-5b), written for TI2V-5B
     only; None in a file: the model its pipeline_class names (WanPipeline: T2V-A14B)."""
+    teacher_loras: list[dict[str, Any]] = field(default_factory=list)
+    """The user's LoRAs fused into the teacher it was distilled against (--teacher_lora): each one's
+    file, expert (transformer = high noise, transformer_2 = low noise), scale and sha256; [] for the
+    bare teacher (and then not written)."""
 
     @property
     def takes_image(self) -> bool:
@@ -122,6 +126,8 @@ class RunSettings:
         named = next((k for k in KINDS if k.name == self.teacher_kind), None)
         if named is None or len(named.pipeline_classes) == 1:
             del values["teacher_kind"]
+        if not self.teacher_loras:
+            del values["teacher_loras"]
         return json.dumps(values, indent=2, sort_keys=True) + "\n"
 
 
@@ -190,6 +196,7 @@ def settings_from_run(
         # The teacher's kind (read from its files) and the run's mode decide the stock pipeline.
         "pipeline_class": pipeline_class_of(kind, image),
         "teacher_kind": kind.name,
+        "teacher_loras": [lora.record() for lora in getattr(info, "loras", ())],
     }
     unknown = set(method) - {f.name for f in fields(RunSettings)}
     if unknown:

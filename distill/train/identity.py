@@ -27,7 +27,10 @@ def run_identity(
     """This run's identity, as it reads back from meta.json."""
     identity = {
         "student_config": student_config,
-        "teacher": info.fingerprint(*info.expert_folders),
+        # The base teacher's files; the LoRAs fused into it (--teacher_lora) apart, so that a resume
+        # with other ones is told which changed.
+        "teacher": info.fingerprint(*info.expert_folders, with_loras=False),
+        "teacher_loras": teacher_lora_record(info),
         "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:16],
         # What the student regresses onto: another value is another objective (as resolved,
         # so --flow_shift 3.0 equals a teacher default of 3.0). Keys are the option names.
@@ -56,6 +59,11 @@ def run_identity(
         ),
     }
     return json.loads(json.dumps(identity))  # as it reads back from meta.json (tuples become lists)
+
+
+def teacher_lora_record(info: TeacherInfo) -> list[dict[str, Any]]:
+    """Each fused LoRA's file name, expert, scale and content hash (the folder it sits in may move)."""
+    return [{**lora.record(), "file": lora.path.name} for lora in info.loras]
 
 
 def sample_record(samples: Sequence[TrainingSample]) -> list[list[str | None]]:
@@ -168,9 +176,19 @@ def other_kind_of_student(path: Path, saved: dict[str, Any], expected: dict[str,
     )
 
 
+def _loras_in_words(record: object) -> str:
+    if not isinstance(record, list) or not record:
+        return "none"
+    return "; ".join(
+        f"{r.get('file')} on {r.get('expert')} at scale {r.get('scale')} (sha256 {r.get('sha256')})"
+        for r in record
+        if isinstance(r, dict)
+    )
+
+
 # Identity keys whose change leaves the checkpoint's weights loadable into this run: --force_resume
 # can continue it. Another student config or method holds other tensors, which no flag loads.
-FORCEABLE = {"teacher", "prompts", "target"}
+FORCEABLE = {"teacher", "teacher_loras", "prompts", "target"}
 
 
 def check_identity(
@@ -194,6 +212,8 @@ def check_identity(
         saved = meta.get("identity", {}).get(key)
         if key == "method" and saved is None:
             saved = "velocity"  # checkpoints from before --method existed
+        if key == "teacher_loras" and saved is None:
+            saved = []  # checkpoints from before --teacher_lora existed: a teacher without LoRAs
         if key == "lora" and isinstance(saved, dict) and isinstance(saved.get("targets"), list):
             # Checkpoints from before the targets were stored canonically: same modules, same lora.
             saved = {**saved, "targets": list(canonical_lora_targets(saved["targets"]))}
@@ -232,6 +252,9 @@ def check_identity(
                 f"\nThat run is finished (its checkpoint is at step {meta.get('step')}, this run ends at step "
                 f"{end}): continuing it would train nothing."
             )
+        if key == "teacher_loras":
+            what = "set of teacher LoRAs (--teacher_lora)"
+            details = f"checkpoint: {_loras_in_words(saved)}\nthis run:   {_loras_in_words(value)}"
         if key == "target":  # name the options that changed
             what = "training target: " + ", ".join(f"--{k}" for k in value)
         if key == "student_config" and "lora" in expected:

@@ -90,12 +90,12 @@ class Distiller:
         self.ctx = ctx if ctx is not None else dist_utils.setup("auto", cfg.device)
         self.device = self.ctx.device
         self.is_main = self.ctx.is_main
-        # An original-layout teacher is converted once, next to the run's cache (storage all ranks share).
-        self.info = inspect_teacher(
+        self.info = inspect_teacher(  # an original layout converted beside the cache; --teacher_lora read
             cfg.teacher_path,
             cfg.boundary_ratio,
             convert_dir=cfg.resolved_cache_dir / "teacher",
             configs_only=cfg.dry_run,
+            loras=cfg.teacher_lora,
         )
         if not cfg.dry_run:  # a dry run plans from the configs alone (download_wan.py --configs_only)
             require_weights(self.info.path, self.info.kind.download_command(self.info.path))
