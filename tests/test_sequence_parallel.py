@@ -1,0 +1,152 @@
+"""Sequence parallel (--sequence_parallel, diffusers' Ulysses context parallel) on CPU with gloo:
+two ranks splitting each sample's tokens train like one process; degrees a run cannot use are
+refused before the teacher loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, repo_pythonpath, train_args
+from safetensors.torch import load_file
+
+from distill.config.cli import parse_config
+from distill.models.student import build_student
+from distill.models.teacher import inspect_teacher
+from distill.ops.errors import DistillError, format_banner
+from distill.train.sequence_parallel import check_sequence_parallel
+from train_distillation import main
+
+# 32x32 pixels, 1 frame: a 4x4 latent in 2x2 patches = 4 tokens, 2 per rank. The tiny teacher has 2
+# heads, the tiny student 4: Ulysses gives each rank whole heads.
+COMMON = dict(height=32, width=32, num_steps=3, lr=1e-3, log_every=1, batch_size=1)
+METHODS = {"velocity": {}, "dmd": {"method": "dmd"}}
+
+
+def launch_two_ranks(runs: list[list[str]], tmp_path: Path) -> subprocess.CompletedProcess:
+    args_file = tmp_path / "runs.json"
+    args_file.write_text(json.dumps([[str(a) for a in argv] for argv in runs]))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "tests" / "sequence_parallel_check.py"),
+            str(args_file),
+        ],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"},
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def metric_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def student_weights(out: Path) -> dict[str, torch.Tensor]:
+    (file,) = (out / "student").glob("*.safetensors")
+    return load_file(file)
+
+
+def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tmp_path, capsys):
+    """One launch, velocity then dmd, each at --sequence_parallel 2 with batch 1 (one context group):
+    the same losses and gradient norms at every step as one process with batch 1, and the same
+    student. The gradient norm is logged after DDP's mean: it matches only if the loss scale puts a
+    group's token shares back together into one process's gradient."""
+    cache = tmp_path / "cache"
+    split = {
+        m: train_args(tiny_teacher, tmp_path / f"{m}-cp2", cache, sequence_parallel=2, **COMMON, **o)
+        for m, o in METHODS.items()
+    }
+    proc = launch_two_ranks(list(split.values()), tmp_path)
+    assert "1 context group(s) of 2 ranks" in proc.stderr
+    # Each rank's blocks saw 2 of a sample's 4 tokens; split: both teacher experts and the student
+    # (velocity), and dmd's critic too.
+    for rank in (0, 1):
+        for method, models in (("velocity", 3), ("dmd", 4)):
+            assert (
+                f"rank {rank} finished {tmp_path / f'{method}-cp2'}: 3 steps, split {models} transformer(s), "
+                "their blocks saw sequence lengths [2]" in proc.stdout
+            ), proc.stdout
+    assert proc.stderr.count("all 2 ranks hold identical") >= 2  # student (and dmd's critic) alike
+    for method, overrides in METHODS.items():
+        assert main(train_args(tiny_teacher, tmp_path / f"{method}-one", cache, **COMMON, **overrides)) == 0
+        capsys.readouterr()
+        one, two = metric_rows(tmp_path / f"{method}-one"), metric_rows(tmp_path / f"{method}-cp2")
+        assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+        for ours, theirs in zip(one, two):
+            assert ours.keys() == theirs.keys()
+            for key, value in ours.items():
+                if isinstance(value, float) and key != "steps_per_s":
+                    # Another order of float reductions (the all-to-alls, the gathered output).
+                    assert theirs[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (
+                        method,
+                        ours["step"],
+                        key,
+                    )
+        # The updates agree: Adam moves a weight whose gradient is ~0 by up to lr on float noise
+        # alone, so a handful of elements may differ by that much; the update as a whole agrees.
+        after_one, after_two = (
+            student_weights(tmp_path / f"{method}-one"),
+            student_weights(tmp_path / f"{method}-cp2"),
+        )
+        config = json.loads((tmp_path / f"{method}-one" / "student" / "config.json").read_text())
+        start = build_student(config, seed=0).state_dict()
+        update = torch.cat([(after_one[k].float() - start[k].float()).flatten() for k in after_one])
+        apart = torch.cat([(after_two[k].float() - after_one[k].float()).flatten() for k in after_one])
+        assert update.norm() > 10 * COMMON["lr"]  # it trained
+        assert apart.norm() < 1e-2 * update.norm(), method
+        assert (apart.abs() > 1e-5).float().mean() < 1e-3, method
+
+
+def test_one_process_is_refused_with_the_launch_that_fixes_it(tiny_teacher, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    assert main(train_args(tiny_teacher, tmp_path / "out", cache, sequence_parallel=2, **COMMON)) != 0
+    err = capsys.readouterr().err
+    assert "--sequence_parallel 2 splits each sample over 2 ranks, but this run is one process" in err
+    assert "torchrun --nproc_per_node=2 train_distillation.py ... --sequence_parallel 2" in err
+    assert not cache.exists() or not any(cache.rglob("*.safetensors"))  # refused before any work
+
+
+def refusal(cfg, info, heads: dict[str, int], world: int, per_node: int) -> str:
+    with pytest.raises(DistillError) as raised:
+        check_sequence_parallel(cfg, info, heads, world, per_node, launched=True)
+    return format_banner(raised.value)
+
+
+def test_degrees_a_run_cannot_split_by_are_refused_naming_those_it_can(tiny_teacher, tmp_path):
+    info = inspect_teacher(str(tiny_teacher), None, convert_dir=tmp_path / "convert", configs_only=True)
+
+    def config(degree: int, **overrides):
+        settings = {**COMMON, "height": 48, **overrides}  # 6x4 latent: 3x2 = 6 tokens
+        return parse_config(
+            train_args(
+                tiny_teacher, tmp_path / "out", tmp_path / "cache", sequence_parallel=degree, **settings
+            )
+        )
+
+    heads = {"teacher's experts": 2, "student": 4}
+    # Not the ranks per node: a context group's all-to-alls stay in a node.
+    text = refusal(config(2), info, heads, world=6, per_node=3)
+    assert "must divide the ranks per node (3)" in text and "--nproc_per_node" in text
+    text = refusal(config(4), info, heads, world=8, per_node=8)
+    assert "does not divide the 2 attention heads of the teacher's experts" in text
+    assert "--sequence_parallel 1, 2 (the degrees this run can use)" in text
+    text = refusal(config(4), info, {"student": 8}, world=8, per_node=8)
+    assert "does not divide the 6 tokens of a sample (--height 48 --width 32 --num_frames 1)" in text
+    text = refusal(config(2, save_samples=True), info, heads, world=2, per_node=2)
+    assert "--save_samples with --sequence_parallel 2" in text and "drop --save_samples" in text
+    # The degrees named are accepted; 1 is never refused.
+    check_sequence_parallel(config(2), info, heads, 8, 8, launched=True)
+    check_sequence_parallel(config(1), info, heads, 1, 1, launched=False)
