@@ -24,7 +24,21 @@ from train_distillation import main
 # 32x32 pixels, 1 frame: a 4x4 latent in 2x2 patches = 4 tokens, 2 per rank. The tiny teacher has 2
 # heads, the tiny student 4: Ulysses gives each rank whole heads.
 COMMON = dict(height=32, width=32, num_steps=3, lr=1e-3, log_every=1, batch_size=1)
-METHODS = {"velocity": {}, "dmd": {"method": "dmd"}}
+# method -> its settings and how many transformers a rank splits (the teacher's two experts, the
+# student, dmd's critic; a LoRA student is the teacher's experts themselves, split once).
+METHODS = {
+    "velocity": ({}, 3),
+    "dmd": ({"method": "dmd"}, 4),
+    "lora": ({"student_lora_rank": 4}, 2),
+}
+
+
+def args(tiny_teacher: Path, out: Path, cache: Path, method: str, **more: object) -> list[str]:
+    argv = train_args(tiny_teacher, out, cache, **COMMON, **METHODS[method][0], **more)
+    if method == "lora":  # the student is the teacher's experts: no student config
+        at = argv.index("--student_config")
+        del argv[at : at + 2]
+    return argv
 
 
 def launch_two_ranks(runs: list[list[str]], tmp_path: Path) -> subprocess.CompletedProcess:
@@ -54,34 +68,44 @@ def metric_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def student_weights(out: Path) -> dict[str, torch.Tensor]:
+def trained_weights(out: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights after training, the same weights at the start), flattened. A LoRA run: the adapters'
+    B matrices, which start at zero."""
+    if (out / "lora").is_dir():
+        found = {}
+        for file in sorted((out / "lora").glob("*_lora.safetensors")):
+            found |= {f"{file.name}:{k}": v for k, v in load_file(file).items() if "lora_B" in k}
+        after = torch.cat([found[k].float().flatten() for k in sorted(found)])
+        return after, torch.zeros_like(after)
     (file,) = (out / "student").glob("*.safetensors")
-    return load_file(file)
+    weights = load_file(file)
+    config = json.loads((out / "student" / "config.json").read_text())
+    start = build_student(config, seed=0).state_dict()
+    keys = sorted(weights)
+    return (
+        torch.cat([weights[k].float().flatten() for k in keys]),
+        torch.cat([start[k].float().flatten() for k in keys]),
+    )
 
 
 def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tmp_path, capsys):
-    """One launch, velocity then dmd, each at --sequence_parallel 2 with batch 1 (one context group):
-    the same losses and gradient norms at every step as one process with batch 1, and the same
-    student. The gradient norm is logged after DDP's mean: it matches only if the loss scale puts a
-    group's token shares back together into one process's gradient."""
+    """One launch, velocity, dmd and a LoRA student, each at --sequence_parallel 2 with batch 1 (one
+    context group): the same losses and gradient norms at every step as one process with batch 1,
+    and the same trained weights. The gradient norm is logged after DDP's mean: it matches only if
+    the loss scale puts a group's token shares back together into one process's gradient."""
     cache = tmp_path / "cache"
-    split = {
-        m: train_args(tiny_teacher, tmp_path / f"{m}-cp2", cache, sequence_parallel=2, **COMMON, **o)
-        for m, o in METHODS.items()
-    }
-    proc = launch_two_ranks(list(split.values()), tmp_path)
+    split = [args(tiny_teacher, tmp_path / f"{m}-cp2", cache, m, sequence_parallel=2) for m in METHODS]
+    proc = launch_two_ranks(split, tmp_path)
     assert "1 context group(s) of 2 ranks" in proc.stderr
-    # Each rank's blocks saw 2 of a sample's 4 tokens; split: both teacher experts and the student
-    # (velocity), and dmd's critic too.
-    for rank in (0, 1):
-        for method, models in (("velocity", 3), ("dmd", 4)):
+    for method, (_, models) in METHODS.items():
+        # Each rank's blocks saw 2 of a sample's 4 tokens: the tokens were split, not merely the
+        # result equal.
+        for rank in (0, 1):
             assert (
                 f"rank {rank} finished {tmp_path / f'{method}-cp2'}: 3 steps, split {models} transformer(s), "
-                "their blocks saw sequence lengths [2]" in proc.stdout
-            ), proc.stdout
-    assert proc.stderr.count("all 2 ranks hold identical") >= 2  # student (and dmd's critic) alike
-    for method, overrides in METHODS.items():
-        assert main(train_args(tiny_teacher, tmp_path / f"{method}-one", cache, **COMMON, **overrides)) == 0
+                "their blocks saw sequence lengths [2]"
+            ) in proc.stdout, proc.stdout
+        assert main(args(tiny_teacher, tmp_path / f"{method}-one", cache, method)) == 0
         capsys.readouterr()
         one, two = metric_rows(tmp_path / f"{method}-one"), metric_rows(tmp_path / f"{method}-cp2")
         assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
@@ -89,7 +113,8 @@ def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tm
             assert ours.keys() == theirs.keys()
             for key, value in ours.items():
                 if isinstance(value, float) and key != "steps_per_s":
-                    # Another order of float reductions (the all-to-alls, the gathered output).
+                    # Another order of float reductions (the all-to-alls, the gathered output); the
+                    # LoRA losses are ~1e-4 (the adapters start at zero): absolute 1e-6 for those.
                     assert theirs[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (
                         method,
                         ours["step"],
@@ -97,22 +122,20 @@ def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tm
                     )
         # The updates agree: Adam moves a weight whose gradient is ~0 by up to lr on float noise
         # alone, so a handful of elements may differ by that much; the update as a whole agrees.
-        after_one, after_two = (
-            student_weights(tmp_path / f"{method}-one"),
-            student_weights(tmp_path / f"{method}-cp2"),
+        (after_one, start), (after_two, _) = (
+            trained_weights(tmp_path / f"{method}-one"),
+            trained_weights(tmp_path / f"{method}-cp2"),
         )
-        config = json.loads((tmp_path / f"{method}-one" / "student" / "config.json").read_text())
-        start = build_student(config, seed=0).state_dict()
-        update = torch.cat([(after_one[k].float() - start[k].float()).flatten() for k in after_one])
-        apart = torch.cat([(after_two[k].float() - after_one[k].float()).flatten() for k in after_one])
-        assert update.norm() > 10 * COMMON["lr"]  # it trained
+        update, apart = after_one - start, after_two - after_one
+        assert update.norm() > 10 * COMMON["lr"], method  # it trained
         assert apart.norm() < 1e-2 * update.norm(), method
         assert (apart.abs() > 1e-5).float().mean() < 1e-3, method
+    assert proc.stderr.count("all 2 ranks hold identical") >= len(METHODS)
 
 
 def test_one_process_is_refused_with_the_launch_that_fixes_it(tiny_teacher, tmp_path, capsys):
     cache = tmp_path / "cache"
-    assert main(train_args(tiny_teacher, tmp_path / "out", cache, sequence_parallel=2, **COMMON)) != 0
+    assert main(args(tiny_teacher, tmp_path / "out", cache, "velocity", sequence_parallel=2)) != 0
     err = capsys.readouterr().err
     assert "--sequence_parallel 2 splits each sample over 2 ranks, but this run is one process" in err
     assert "torchrun --nproc_per_node=2 train_distillation.py ... --sequence_parallel 2" in err
