@@ -16,8 +16,11 @@ from safetensors.torch import load_file
 
 from distill.config.cli import parse_config
 from distill.models.student import build_student
+from distill.models.student_config import load_student_config
 from distill.models.teacher import inspect_teacher
 from distill.ops.errors import DistillError, format_banner
+from distill.train.cost import RunCounts, run_cost
+from distill.train.plan import step_activations
 from distill.train.sequence_parallel import check_sequence_parallel
 from train_distillation import main
 
@@ -173,3 +176,32 @@ def test_degrees_a_run_cannot_split_by_are_refused_naming_those_it_can(tiny_teac
     # The degrees named are accepted; 1 is never refused.
     check_sequence_parallel(config(2), info, heads, 8, 8, launched=True)
     check_sequence_parallel(config(1), info, heads, 1, 1, launched=False)
+
+
+def test_the_plan_gives_each_rank_its_share_of_the_activations(tiny_teacher, tmp_path, capsys):
+    info = inspect_teacher(str(tiny_teacher), None, convert_dir=tmp_path / "convert", configs_only=True)
+    student = load_student_config(REPO / "config" / "student_tiny.json", info.expert_config)
+
+    def config(degree: int, **overrides):
+        argv = args(tiny_teacher, tmp_path / "out", tmp_path / "cache", "velocity", sequence_parallel=degree)
+        return parse_config(argv + [f"--{k}={v}" for k, v in overrides.items()])
+
+    peak = {d: step_activations(config(d), info, student, None, torch.float32).bytes for d in (1, 2)}
+    assert peak[2] == pytest.approx(peak[1] / 2)
+    # With accumulation the gradients are held through the update, whole on every rank.
+    held = 4.0 * sum(p.numel() for p in build_student(student).parameters())
+    accumulated = {
+        d: step_activations(
+            config(d, gradient_accumulation_steps=2), info, student, None, torch.float32
+        ).bytes
+        for d in (1, 2)
+    }
+    assert accumulated[2] == pytest.approx((accumulated[1] - held) / 2 + held)
+    # Four ranks in context groups of 2 train the samples of two ranks: the same FLOPs.
+    counts = RunCounts(8, 8, 0, 0)
+    four = run_cost(config(2), info, student, None, counts, world_size=4).flops["training"]
+    assert four == run_cost(config(1), info, student, None, counts, world_size=2).flops["training"]
+    # The dry run (planning for 4 ranks without them) accepts the degree and says so.
+    argv = args(tiny_teacher, tmp_path / "dry", tmp_path / "cache", "velocity", sequence_parallel=2)
+    assert main([*argv, "--dry_run", "--plan_world_size", "4"]) == 0
+    assert "each rank holding 1/2 of them (--sequence_parallel)" in capsys.readouterr().out
