@@ -18,10 +18,11 @@ from distill.config.cli import parse_config
 from distill.models.student import build_student
 from distill.models.student_config import load_student_config
 from distill.models.teacher import inspect_teacher
+from distill.ops.distributed import DistContext
 from distill.ops.errors import DistillError, format_banner
 from distill.train.cost import RunCounts, run_cost
 from distill.train.plan import step_activations
-from distill.train.sequence_parallel import check_sequence_parallel
+from distill.train.sequence_parallel import check_placement, check_sequence_parallel
 from train_distillation import main
 
 # 32x32 pixels, 1 frame: a 4x4 latent in 2x2 patches = 4 tokens, 2 per rank. The tiny teacher has 2
@@ -33,7 +34,11 @@ METHODS = {
     "velocity": ({}, 3),
     "dmd": ({"method": "dmd"}, 4),
     "lora": ({"student_lora_rank": 4}, 2),
+    # Experts sharded with FSDP2 over the same two ranks (one context group); outputs do not depend
+    # on placement, so its one-process reference is the velocity run's.
+    "shard": ({"teacher_placement": "shard"}, 3),
 }
+REFERENCE = {"shard": "velocity"}
 
 
 def args(tiny_teacher: Path, out: Path, cache: Path, method: str, **more: object) -> list[str]:
@@ -92,7 +97,7 @@ def trained_weights(out: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tmp_path, capsys):
-    """One launch, velocity, dmd and a LoRA student, each at --sequence_parallel 2 with batch 1 (one
+    """One launch, velocity, dmd, a LoRA student and velocity with sharded experts, each at --sequence_parallel 2 with batch 1 (one
     context group): the same losses and gradient norms at every step as one process with batch 1,
     and the same trained weights. The gradient norm is logged after DDP's mean: it matches only if
     the loss scale puts a group's token shares back together into one process's gradient."""
@@ -108,9 +113,11 @@ def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tm
                 f"rank {rank} finished {tmp_path / f'{method}-cp2'}: 3 steps, split {models} transformer(s), "
                 "their blocks saw sequence lengths [2]"
             ) in proc.stdout, proc.stdout
-        assert main(args(tiny_teacher, tmp_path / f"{method}-one", cache, method)) == 0
-        capsys.readouterr()
-        one, two = metric_rows(tmp_path / f"{method}-one"), metric_rows(tmp_path / f"{method}-cp2")
+        reference = tmp_path / f"{REFERENCE.get(method, method)}-one"
+        if method not in REFERENCE:
+            assert main(args(tiny_teacher, reference, cache, method)) == 0
+            capsys.readouterr()
+        one, two = metric_rows(reference), metric_rows(tmp_path / f"{method}-cp2")
         assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
         for ours, theirs in zip(one, two):
             assert ours.keys() == theirs.keys()
@@ -126,7 +133,7 @@ def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tm
         # The updates agree: Adam moves a weight whose gradient is ~0 by up to lr on float noise
         # alone, so a handful of elements may differ by that much; the update as a whole agrees.
         (after_one, start), (after_two, _) = (
-            trained_weights(tmp_path / f"{method}-one"),
+            trained_weights(reference),
             trained_weights(tmp_path / f"{method}-cp2"),
         )
         update, apart = after_one - start, after_two - after_one
@@ -173,6 +180,15 @@ def test_degrees_a_run_cannot_split_by_are_refused_naming_those_it_can(tiny_teac
     assert "does not divide the 6 tokens of a sample (--height 48 --width 32 --num_frames 1)" in text
     text = refusal(config(2, save_samples=True), info, heads, world=2, per_node=2)
     assert "--save_samples with --sequence_parallel 2" in text and "drop --save_samples" in text
+    # Sharded experts need one context group: several would need a placeholder forward of one token.
+    groups = DistContext(world_size=4, sequence_parallel=2)
+    with pytest.raises(DistillError) as raised:
+        check_placement(config(2), groups, "shard", "the teacher fits no other way")
+    text = format_banner(raised.value)
+    assert "cannot use the teacher placement shard (the teacher fits no other way)" in text
+    assert "--teacher_placement gpu" in text and "--sequence_parallel 4" in text
+    check_placement(config(2), DistContext(world_size=2, sequence_parallel=2), "shard", "")
+    check_placement(config(2), groups, "gpu", "")
     # The degrees named are accepted; 1 is never refused.
     check_sequence_parallel(config(2), info, heads, 8, 8, launched=True)
     check_sequence_parallel(config(1), info, heads, 1, 1, launched=False)
