@@ -13,11 +13,14 @@ import pytest
 import torch
 from conftest import REPO, repo_pythonpath, train_args
 from safetensors.torch import load_file
+from test_i2v_training import write_pairs
 
 from distill.config.cli import parse_config
 from distill.models.student import build_student
 from distill.models.student_config import load_student_config
 from distill.models.teacher import inspect_teacher
+from distill.models.teacher_kind import TI2V_5B
+from distill.models.tiny import write_tiny_teacher
 from distill.ops.distributed import DistContext
 from distill.ops.errors import DistillError, format_banner
 from distill.train.cost import RunCounts, run_cost
@@ -28,21 +31,45 @@ from train_distillation import main
 # 32x32 pixels, 1 frame: a 4x4 latent in 2x2 patches = 4 tokens, 2 per rank. The tiny teacher has 2
 # heads, the tiny student 4: Ulysses gives each rank whole heads.
 COMMON = dict(height=32, width=32, num_steps=3, lr=1e-3, log_every=1, batch_size=1)
-# method -> its settings and how many transformers a rank splits (the teacher's two experts, the
-# student, dmd's critic; a LoRA student is the teacher's experts themselves, split once).
+# method -> its settings, how many transformers a rank splits (the teacher's two experts, the
+# student, dmd's critic; a LoRA student is the teacher's experts themselves, split once) and the
+# tokens each rank's blocks see.
 METHODS = {
-    "velocity": ({}, 3),
-    "dmd": ({"method": "dmd"}, 4),
-    "lora": ({"student_lora_rank": 4}, 2),
+    "velocity": ({}, 3, 2),
+    "dmd": ({"method": "dmd"}, 4, 2),
+    "lora": ({"student_lora_rank": 4}, 2, 2),
     # Experts sharded with FSDP2 over the same two ranks (one context group); outputs do not depend
     # on placement, so its one-process reference is the velocity run's.
-    "shard": ({"teacher_placement": "shard"}, 3),
+    "shard": ({"teacher_placement": "shard"}, 3, 2),
+    # TI2V-5B in image mode: one transformer, a timestep per token (frame 0's tokens at 0), split
+    # with the tokens. 5 frames at 32x32 through its 16x VAE: 2 latent frames of one token each.
+    "ti2v": ({"num_frames": 5, "guidance_scale": 5.0, "max_prompts": 4}, 2, 1),
 }
 REFERENCE = {"shard": "velocity"}
 
 
-def args(tiny_teacher: Path, out: Path, cache: Path, method: str, **more: object) -> list[str]:
-    argv = train_args(tiny_teacher, out, cache, **COMMON, **METHODS[method][0], **more)
+def ti2v_world(root: Path) -> dict[str, Path]:
+    """The tiny TI2V-5B teacher, a student config for its 48 channels, and prompt+image pairs."""
+    teacher = write_tiny_teacher(root / "teacher", seed=0, kind=TI2V_5B)
+    expert = json.loads((teacher / "transformer" / "config.json").read_text())
+    student = json.loads((REPO / "config" / "student_tiny.json").read_text())
+    student |= {"in_channels": 48, "out_channels": 48, "text_dim": expert["text_dim"]}
+    (root / "student.json").write_text(json.dumps(student))
+    return {
+        "teacher": teacher,
+        "student_config": root / "student.json",
+        "data_path": write_pairs(root / "data", size=32),
+    }
+
+
+def args(teachers: dict[str, Path], out: Path, cache: Path, method: str, **more: object) -> list[str]:
+    """The command line of `method`'s run; `teachers`: the tiny T2V teacher ("t2v") and the TI2V world."""
+    if method == "ti2v":
+        world = {k: teachers[f"ti2v_{k}"] for k in ("student_config", "data_path")}
+        return train_args(
+            teachers["ti2v_teacher"], out, cache / "ti2v", **COMMON, **METHODS[method][0], **world, **more
+        )
+    argv = train_args(teachers["t2v"], out, cache, **COMMON, **METHODS[method][0], **more)
     if method == "lora":  # the student is the teacher's experts: no student config
         at = argv.index("--student_config")
         del argv[at : at + 2]
@@ -97,25 +124,25 @@ def trained_weights(out: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tmp_path, capsys):
-    """One launch, velocity, dmd, a LoRA student and velocity with sharded experts, each at --sequence_parallel 2 with batch 1 (one
+    """One launch, velocity, dmd, a LoRA student, velocity with sharded experts and the TI2V teacher, each at --sequence_parallel 2 with batch 1 (one
     context group): the same losses and gradient norms at every step as one process with batch 1,
     and the same trained weights. The gradient norm is logged after DDP's mean: it matches only if
     the loss scale puts a group's token shares back together into one process's gradient."""
     cache = tmp_path / "cache"
-    split = [args(tiny_teacher, tmp_path / f"{m}-cp2", cache, m, sequence_parallel=2) for m in METHODS]
+    teachers = {"t2v": tiny_teacher, **{f"ti2v_{k}": v for k, v in ti2v_world(tmp_path / "ti2v").items()}}
+    split = [args(teachers, tmp_path / f"{m}-cp2", cache, m, sequence_parallel=2) for m in METHODS]
     proc = launch_two_ranks(split, tmp_path)
     assert "1 context group(s) of 2 ranks" in proc.stderr
-    for method, (_, models) in METHODS.items():
-        # Each rank's blocks saw 2 of a sample's 4 tokens: the tokens were split, not merely the
-        # result equal.
+    for method, (_, models, tokens) in METHODS.items():
+        # Each rank's blocks saw half of a sample's tokens: they were split, not merely the result equal.
         for rank in (0, 1):
             assert (
                 f"rank {rank} finished {tmp_path / f'{method}-cp2'}: 3 steps, split {models} transformer(s), "
-                "their blocks saw sequence lengths [2]"
+                f"their blocks saw sequence lengths [{tokens}]"
             ) in proc.stdout, proc.stdout
         reference = tmp_path / f"{REFERENCE.get(method, method)}-one"
         if method not in REFERENCE:
-            assert main(args(tiny_teacher, reference, cache, method)) == 0
+            assert main(args(teachers, reference, cache, method)) == 0
             capsys.readouterr()
         one, two = metric_rows(reference), metric_rows(tmp_path / f"{method}-cp2")
         assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
@@ -145,7 +172,7 @@ def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tm
 
 def test_one_process_is_refused_with_the_launch_that_fixes_it(tiny_teacher, tmp_path, capsys):
     cache = tmp_path / "cache"
-    assert main(args(tiny_teacher, tmp_path / "out", cache, "velocity", sequence_parallel=2)) != 0
+    assert main(args({"t2v": tiny_teacher}, tmp_path / "out", cache, "velocity", sequence_parallel=2)) != 0
     err = capsys.readouterr().err
     assert "--sequence_parallel 2 splits each sample over 2 ranks, but this run is one process" in err
     assert "torchrun --nproc_per_node=2 train_distillation.py ... --sequence_parallel 2" in err
@@ -199,7 +226,9 @@ def test_the_plan_gives_each_rank_its_share_of_the_activations(tiny_teacher, tmp
     student = load_student_config(REPO / "config" / "student_tiny.json", info.expert_config)
 
     def config(degree: int, **overrides):
-        argv = args(tiny_teacher, tmp_path / "out", tmp_path / "cache", "velocity", sequence_parallel=degree)
+        argv = args(
+            {"t2v": tiny_teacher}, tmp_path / "out", tmp_path / "cache", "velocity", sequence_parallel=degree
+        )
         return parse_config(argv + [f"--{k}={v}" for k, v in overrides.items()])
 
     peak = {d: step_activations(config(d), info, student, None, torch.float32).bytes for d in (1, 2)}
@@ -218,6 +247,6 @@ def test_the_plan_gives_each_rank_its_share_of_the_activations(tiny_teacher, tmp
     four = run_cost(config(2), info, student, None, counts, world_size=4).flops["training"]
     assert four == run_cost(config(1), info, student, None, counts, world_size=2).flops["training"]
     # The dry run (planning for 4 ranks without them) accepts the degree and says so.
-    argv = args(tiny_teacher, tmp_path / "dry", tmp_path / "cache", "velocity", sequence_parallel=2)
+    argv = args({"t2v": tiny_teacher}, tmp_path / "dry", tmp_path / "cache", "velocity", sequence_parallel=2)
     assert main([*argv, "--dry_run", "--plan_world_size", "4"]) == 0
     assert "each rank holding 1/2 of them (--sequence_parallel)" in capsys.readouterr().out
