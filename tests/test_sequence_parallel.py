@@ -38,9 +38,9 @@ METHODS = {
     "velocity": ({}, 3, 2),
     "dmd": ({"method": "dmd"}, 4, 2),
     "lora": ({"student_lora_rank": 4}, 2, 2),
-    # Experts sharded with FSDP2 over the same two ranks (one context group); outputs do not depend
-    # on placement, so its one-process reference is the velocity run's.
-    "shard": ({"teacher_placement": "shard"}, 3, 2),
+    # Experts sharded with FSDP2 over the same two ranks (one context group), the student's blocks
+    # recomputed in backward; outputs depend on neither, so its reference is the velocity run's.
+    "shard": ({"teacher_placement": "shard", "gradient_checkpointing": True}, 3, 2),
     # TI2V-5B in image mode: one transformer, a timestep per token (frame 0's tokens at 0), split
     # with the tokens. 5 frames at 32x32 through its 16x VAE: 2 latent frames of one token each.
     "ti2v": ({"num_frames": 5, "guidance_scale": 5.0, "max_prompts": 4}, 2, 1),
