@@ -199,7 +199,7 @@ def test_degrees_a_run_cannot_split_by_are_refused_naming_those_it_can(tiny_teac
     heads = {"teacher's experts": 2, "student": 4}
     # Not the ranks per node: a context group's all-to-alls stay in a node.
     text = refusal(config(2), info, heads, world=6, per_node=3)
-    assert "must divide the ranks per node (3)" in text and "--nproc_per_node" in text
+    assert "must divide the ranks per node (3)" in text and "--nproc_per_node=2" in text
     text = refusal(config(4), info, heads, world=8, per_node=8)
     assert "does not divide the 2 attention heads of the teacher's experts" in text
     assert "--sequence_parallel 1, 2 (the degrees this run can use)" in text

@@ -10,7 +10,6 @@ process's (the loop scales the loss by N; DDP's mean over all ranks divides it b
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any, TypeVar
 
@@ -76,7 +75,8 @@ def check_sequence_parallel(
             "A context group's ranks exchange every attention's activations (all-to-all), so a group "
             "stays inside one node and the ranks split into whole groups.",
             [
-                f"start {math.lcm(degree, ranks_per_node)} ranks per node (torchrun --nproc_per_node=...)",
+                f"start a multiple of {degree} ranks on every node "
+                f"(torchrun --nproc_per_node={degree * max(1, ranks_per_node // degree)} ...)",
                 others,
             ],
         )
