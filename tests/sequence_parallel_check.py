@@ -3,7 +3,9 @@ with --sequence_parallel 2 on the same process group (one launch instead of one 
 
 torchrun --standalone --nproc_per_node=2 tests/sequence_parallel_check.py ARGS_FILE
 
-ARGS_FILE holds one JSON list of command lines (lists of arguments); every run must succeed.
+ARGS_FILE holds one JSON list of runs, each a command line (a list of arguments) or
+{"argv": [...], "fault": "sigterm:2"}: that run is stopped by the fault (DISTILL_INJECT_FAULT) and
+then run again, resuming from the checkpoint the stop wrote. Every run must finish.
 """
 
 import json
@@ -43,13 +45,22 @@ def watch_split(model, mesh) -> int:
 
 def main(args_file: str) -> int:
     sequence_parallel.enable_context_parallel = watch_split
-    runs = json.loads(Path(args_file).read_text())
-    configs = [parse_config(argv) for argv in runs]
+    runs = [
+        run if isinstance(run, dict) else {"argv": run} for run in json.loads(Path(args_file).read_text())
+    ]
+    configs = [parse_config(run["argv"]) for run in runs]
     setup_logging(int(os.environ["RANK"]))
     ctx = distributed.setup(configs[0].backend, configs[0].device, configs[0].dist_timeout)
     watchdog.start(configs[0].stall_timeout)
     try:
-        for cfg in configs:
+        for run, cfg in zip(runs, configs):
+            if "fault" in run:
+                os.environ["DISTILL_INJECT_FAULT"] = run["fault"]
+                stopped = Distiller(cfg, ctx).run()
+                del os.environ["DISTILL_INJECT_FAULT"]
+                print(f"rank {ctx.rank} stopped {cfg.output_dir} by {stopped.stopped_by_signal}", flush=True)
+                SEEN.clear()
+                SPLIT.clear()
             result = Distiller(cfg, ctx).run()
             print(
                 f"rank {ctx.rank} finished {cfg.output_dir}: {result.steps} steps, split {len(SPLIT)} "

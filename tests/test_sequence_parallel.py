@@ -76,9 +76,13 @@ def args(teachers: dict[str, Path], out: Path, cache: Path, method: str, **more:
     return argv
 
 
-def launch_two_ranks(runs: list[list[str]], tmp_path: Path) -> subprocess.CompletedProcess:
+def launch_two_ranks(runs: list, tmp_path: Path) -> subprocess.CompletedProcess:
     args_file = tmp_path / "runs.json"
-    args_file.write_text(json.dumps([[str(a) for a in argv] for argv in runs]))
+    strings = [
+        {**run, "argv": [str(a) for a in run["argv"]]} if isinstance(run, dict) else [str(a) for a in run]
+        for run in runs
+    ]
+    args_file.write_text(json.dumps(strings))
     proc = subprocess.run(
         [
             sys.executable,
@@ -130,7 +134,12 @@ def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tm
     the loss scale puts a group's token shares back together into one process's gradient."""
     cache = tmp_path / "cache"
     teachers = {"t2v": tiny_teacher, **{f"ti2v_{k}": v for k, v in ti2v_world(tmp_path / "ti2v").items()}}
-    split = [args(teachers, tmp_path / f"{m}-cp2", cache, m, sequence_parallel=2) for m in METHODS]
+    split: list = [args(teachers, tmp_path / f"{m}-cp2", cache, m, sequence_parallel=2) for m in METHODS]
+    # The velocity run again, stopped by SIGTERM at step 2 and resumed from its checkpoint.
+    resumed = tmp_path / "resumed-cp2"
+    split.append(
+        {"argv": args(teachers, resumed, cache, "velocity", sequence_parallel=2), "fault": "sigterm:2"}
+    )
     proc = launch_two_ranks(split, tmp_path)
     assert "1 context group(s) of 2 ranks" in proc.stderr
     for method, (_, models, tokens) in METHODS.items():
@@ -168,6 +177,13 @@ def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tm
         assert apart.norm() < 1e-2 * update.norm(), method
         assert (apart.abs() > 1e-5).float().mean() < 1e-3, method
     assert proc.stderr.count("all 2 ranks hold identical") >= len(METHODS)
+    # Resumed under sequence parallel: the same bits as the run that was not stopped.
+    assert f"rank 1 stopped {resumed} by SIGTERM" in proc.stdout and "resumed from" in proc.stderr
+    assert metric_rows(resumed) == [
+        {**row, "steps_per_s": other["steps_per_s"]}
+        for row, other in zip(metric_rows(tmp_path / "velocity-cp2"), metric_rows(resumed))
+    ]
+    assert torch.equal(trained_weights(resumed)[0], trained_weights(tmp_path / "velocity-cp2")[0])
 
 
 def test_one_process_is_refused_with_the_launch_that_fixes_it(tiny_teacher, tmp_path, capsys):
