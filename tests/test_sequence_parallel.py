@@ -232,6 +232,7 @@ def test_degrees_a_run_cannot_split_by_are_refused_naming_those_it_can(tiny_teac
     assert "--teacher_placement gpu" in text and "--sequence_parallel 4" in text
     check_placement(config(2), DistContext(world_size=2, sequence_parallel=2), "shard", "")
     check_placement(config(2), groups, "gpu", "")
+    check_placement(config(1), DistContext(world_size=4), "shard", "")  # off: data parallel as before
     # The degrees named are accepted; 1 is never refused.
     check_sequence_parallel(config(2), info, heads, 8, 8, launched=True)
     check_sequence_parallel(config(1), info, heads, 1, 1, launched=False)

@@ -133,7 +133,7 @@ def check_placement(cfg: TrainConfig, ctx: DistContext, placement: str, reason: 
     """Refuse sharded experts across several context groups. A group with no sample for an expert
     joins the other groups' weight gathers on a one-token placeholder (distill/models/lockstep.py),
     which a split expert cannot divide over its group; one group never needs a placeholder."""
-    if placement != "shard" or ctx.data_world == 1:
+    if placement != "shard" or ctx.sequence_parallel == 1 or ctx.data_world == 1:
         return
     chosen = "--teacher_placement shard" if cfg.teacher_placement == "shard" else f"shard ({reason})"
     raise _refuse(
