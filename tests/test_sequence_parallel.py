@@ -267,3 +267,6 @@ def test_the_plan_gives_each_rank_its_share_of_the_activations(tiny_teacher, tmp
     argv = args({"t2v": tiny_teacher}, tmp_path / "dry", tmp_path / "cache", "velocity", sequence_parallel=2)
     assert main([*argv, "--dry_run", "--plan_world_size", "4"]) == 0
     assert "each rank holding 1/2 of them (--sequence_parallel)" in capsys.readouterr().out
+    # Without the world size to plan for, a dry run in one process is told to give it.
+    assert main([*argv, "--dry_run"]) != 0
+    assert "--dry_run --plan_world_size 8" in capsys.readouterr().err

@@ -66,6 +66,13 @@ def check_sequence_parallel(
             [
                 f"torchrun --nproc_per_node={degree} train_distillation.py ... --sequence_parallel {degree}",
                 "or --sequence_parallel 1 (off) for one process",
+                *(
+                    [
+                        f"or plan for the GPUs it will run on: --dry_run --plan_world_size {8 // degree * degree or degree}"
+                    ]
+                    if cfg.dry_run
+                    else []
+                ),
             ],
         )
     if world_size % degree or ranks_per_node % degree:
@@ -116,13 +123,13 @@ def context_groups(
     critic_config: dict[str, Any] | None,
 ) -> DistContext:
     """This rank's context, knowing its context group, once the degree is checked against the
-    launch and every model it splits (before the teacher loads). A dry run checks the degree
-    against the world size it plans for."""
+    launch and every model it splits (before the teacher loads). A dry run with --plan_world_size
+    checks it against the ranks it plans for, on nodes as the plan assumes (distill.train.plan)."""
     world, launched = ctx.world_size, ctx.enabled
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if cfg.dry_run:
-        launched, world = True, cfg.plan_world_size or max(world, cfg.sequence_parallel)
-        per_node = world
+    if cfg.dry_run and cfg.plan_world_size:
+        launched, world = True, cfg.plan_world_size
+        per_node = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", 8)))
     models = {"teacher's experts": info.expert_config, "student": student_config, "critic": critic_config}
     heads = {name: int(config["num_attention_heads"]) for name, config in models.items() if config}
     check_sequence_parallel(cfg, info, heads, world, per_node, launched)
