@@ -280,6 +280,12 @@ class TrainConfig:
     teacher_load_concurrency: int = _opt(
         0, "Ranks per node that load the teacher at the same time (0 = as many as free host RAM allows)."
     )
+    sequence_parallel: int = _opt(
+        1,
+        "Ranks that share one sample under torchrun, each holding 1/N of its tokens (Ulysses sequence "
+        "parallel through diffusers' context parallel, for the student, critic and teacher experts); "
+        "1 = off. N must divide the ranks per node, the attention heads and the latent token count.",
+    )
     max_bad_steps: int = _opt(
         10, "Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped)."
     )
@@ -362,6 +368,7 @@ class TrainConfig:
             "student_steps",
             "critic_updates",
             "reference_prompts",
+            "sequence_parallel",
         ]
         self._validate_finite()
         check_guidance(

@@ -50,10 +50,22 @@ class DistContext:
     world_size: int = 1
     backend: str | None = None
     device: torch.device = torch.device("cpu")
+    # Ranks that share one sample (--sequence_parallel): consecutive ranks form a context group.
+    sequence_parallel: int = 1
 
     @property
     def enabled(self) -> bool:
         return self.backend is not None
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of the global batch this rank's context group reads."""
+        return self.rank // self.sequence_parallel
+
+    @property
+    def data_world(self) -> int:
+        """How many slices the global batch has: one per context group."""
+        return self.world_size // self.sequence_parallel
 
     @property
     def is_main(self) -> bool:

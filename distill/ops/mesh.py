@@ -111,3 +111,31 @@ def shard_mesh(device: torch.device, world_size: int) -> DeviceMesh:
             )
     _meshes[key] = mesh
     return mesh
+
+
+# diffusers' ContextParallelConfig looks its groups up by these names.
+DATA_DIM, RING_DIM, ULYSSES_DIM = "data", "ring", "ulysses"
+
+
+def context_mesh(device: torch.device, world_size: int, degree: int) -> DeviceMesh:
+    """The ("ring", "ulysses") mesh a context group shares, out of a (data, ring, ulysses) mesh
+    over every rank (built once per process group; every rank must call it).
+
+    Row-major numbering puts consecutive ranks in one context group, so with `degree` dividing the
+    ranks per node (checked before) every all-to-all stays inside a node. Ring is 1: Ulysses only.
+    """
+    key = (id(dist.group.WORLD), f"context-{device.type}", degree)
+    if key not in _meshes:
+        mesh = init_device_mesh(
+            device.type,
+            (world_size // degree, 1, degree),
+            mesh_dim_names=(DATA_DIM, RING_DIM, ULYSSES_DIM),
+        )
+        _meshes[key] = mesh[(RING_DIM, ULYSSES_DIM)]
+        if dist.get_rank() == 0:
+            logger.info(
+                "sequence parallel: %d context group(s) of %d ranks, each sample's tokens split over a group",
+                world_size // degree,
+                degree,
+            )
+    return _meshes[key]

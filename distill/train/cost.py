@@ -289,10 +289,12 @@ def run_cost(
     cache_forwards = counts.cached_prompts * cfg.teacher_sample_steps * guided_sampler
     cache = world_size * per_rank * cfg.teacher_sample_steps * guided_sampler * forward["teacher"]
 
-    steps = total_steps(cfg, counts, world_size)
+    # A context group (--sequence_parallel) trains one slice of the global batch on N ranks.
+    groups = max(world_size // cfg.sequence_parallel, 1)
+    steps = total_steps(cfg, counts, groups)
     per_sample = update_forwards(cfg, info)
     updates = update_counts(cfg, steps)
-    samples = cfg.batch_size * cfg.gradient_accumulation_steps * world_size
+    samples = cfg.batch_size * cfg.gradient_accumulation_steps * groups
 
     def flops_of(forwards: Forwards) -> float:
         return sum(forward[m] * n for m, n in forwards.no_grad.items()) + sum(

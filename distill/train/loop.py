@@ -103,13 +103,14 @@ class TrainingLoop:
         padded = torch.zeros(1, cfg.max_sequence_length, negative.shape[-1])
         padded[0, : negative.shape[0]] = negative[: cfg.max_sequence_length]
         self.negative = padded.to(self.device)
-        global_samples_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * self.ctx.world_size
+        # A context group (--sequence_parallel) reads one slice of the global batch together.
+        global_samples_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * self.ctx.data_world
         if cfg.num_steps is not None:
             self.total_steps = cfg.num_steps
         else:
             self.total_steps = cfg.num_epochs * math.ceil(len(dataset) / global_samples_per_step)
         self.sampler = ResumableSampler(
-            len(dataset), cfg.seed, cfg.batch_size, self.ctx.rank, self.ctx.world_size
+            len(dataset), cfg.seed, cfg.batch_size, self.ctx.data_rank, self.ctx.data_world
         )
         self._latent_statistics: tuple[float, float] | None = None
         self._reference_motion: tuple[float | None] | None = None  # (value,) once read
@@ -156,7 +157,7 @@ class TrainingLoop:
         # own generators, so the random stream of training is part of the checkpoint.
         self.timestep_generator = torch.Generator("cpu").manual_seed(cfg.seed + 1)
         self.randomness = BatchRandomness(
-            self.timestep_generator, cfg.seed + 2, self.ctx.rank, self.ctx.world_size, self.device
+            self.timestep_generator, cfg.seed + 2, self.ctx.data_rank, self.ctx.data_world, self.device
         )
         # Per update: this step's sums, the logged window's sums, the last grad norm, the extras' names.
         self.step_sums: dict[str, torch.Tensor] = {}
@@ -369,7 +370,9 @@ class TrainingLoop:
             losses = out.losses
             if poison:  # DISTILL_INJECT_FAULT=nan:STEP
                 losses = losses * float("nan")
-            loss = losses.mean() / self.cfg.gradient_accumulation_steps
+            # Under sequence parallel a rank's gradients hold only its tokens' share, and DDP's mean
+            # runs over every rank of a group: scaling by the group size gives one process's gradient.
+            loss = losses.mean() * self.ctx.sequence_parallel / self.cfg.gradient_accumulation_steps
             self.scalers[update].scale(loss).backward()
         names = self.extra_names.setdefault(update, sorted(out.extras))
         high = out.high_noise.float()
@@ -456,7 +459,7 @@ class TrainingLoop:
                 watchdog.beat(Stage.TRAINING, next_step)
                 last = micro == cfg.gradient_accumulation_steps - 1
                 self.micro_step(update, next(batches), sync=last, poison=self.faults.wants_nan(next_step))
-                self.consumed += cfg.batch_size * self.ctx.world_size
+                self.consumed += cfg.batch_size * self.ctx.data_world
             self.window_updates[update] = self.window_updates.get(update, 0) + 1
             requested = stop is not None and stop.signal_name is not None
             norms[update], outcome, stop_now = self.optimizer_step(

@@ -190,26 +190,31 @@ def step_activations(
     dmd, critic update: the student generates without gradient, then the critic's forward and backward.
     Only the updated model has gradients (each optimizer step sets them to None); with accumulation
     they are there for the whole update, otherwise the measured backward allocates them.
+    --sequence_parallel N: each rank of a context group holds 1/N of every measured peak (its share
+    of the tokens); held gradients stay whole. A backward's own gradient allocation is divided too,
+    which understates that phase by up to (1 - 1/N) of the gradients.
     """
     uses = _uses(cfg, info, student_config, critic_config, teacher_dtype)
     student_params, critic_params = trained_parameters(cfg, info, student_config, critic_config)
     accumulating = cfg.gradient_accumulation_steps > 1
     grads = {"student": 4.0 * student_params if accumulating else 0.0}
     grads["critic"] = 4.0 * (critic_params or 0) if accumulating else 0.0
-    teacher = no_grad_peak(uses["teacher"])
+    share = 1.0 / cfg.sequence_parallel
+    teacher = no_grad_peak(uses["teacher"]) * share
     student = trained(uses["student"]["train"])
     phases = {
         "the teacher's forward": teacher + grads["student"],
-        "the student's forward and backward": student.peak + grads["student"],
+        "the student's forward and backward": student.peak * share + grads["student"],
     }
     if cfg.method == "dmd":
-        phases["the student's rollout"] = no_grad_peak(uses["student"]["no_grad"]) + max(grads.values())
+        rollout = no_grad_peak(uses["student"]["no_grad"]) * share
+        phases["the student's rollout"] = rollout + max(grads.values())
         critic_no_grad = 0.0
         if "critic" in uses:
             critic = trained(uses["critic"]["train"])
-            critic_no_grad = no_grad_peak(uses["critic"]["no_grad"])
-            phases["the critic's forward and backward"] = critic.peak + grads["critic"]
-        scores = student.held + max(teacher, critic_no_grad) + grads["student"]
+            critic_no_grad = no_grad_peak(uses["critic"]["no_grad"]) * share
+            phases["the critic's forward and backward"] = critic.peak * share + grads["critic"]
+        scores = student.held * share + max(teacher, critic_no_grad) + grads["student"]
         phases["the scores (teacher and critic) over the student's saved activations"] = scores
         del phases["the teacher's forward"]  # it runs inside the scores phase
     phase = max(phases, key=phases.get)
@@ -410,6 +415,11 @@ def memory_plan(
     lines.append(
         f"  activations: the peak of a micro-step, during {peak.phase}; measured on the diffusers models at "
         f"{tokens} tokens"
+        + (
+            f", each rank holding 1/{cfg.sequence_parallel} of them (--sequence_parallel)"
+            if cfg.sequence_parallel > 1
+            else ""
+        )
     )
     if world_size < 2:
         lines.append("  (shard needs torchrun with several ranks; with one it equals gpu)")

@@ -69,13 +69,9 @@ from distill.train.run_checks import (
     check_resolution,
     teacher_load_waves,
 )
+from distill.train.sequence_parallel import check_placement, context_groups, split_model
 
 logger = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------
-# The run
-# ---------------------------------------------------------------------------------------------
 
 
 class Distiller:
@@ -140,9 +136,11 @@ class Distiller:
         self.shift = cfg.flow_shift if cfg.flow_shift is not None else self.info.flow_shift
         # Refuse a bad critic config (dmd) before anything heavy, too.
         self.model_specs = self.resolve_model_specs()
+        self.ctx = context_groups(cfg, self.info, self.ctx, self.student_config, self.critic_config)
         self.placement, self.placement_reason = choose_placement(
             cfg, self.info, self.student_config, self.device, self.ctx.world_size, self.critic_config
         )
+        check_placement(cfg, self.ctx, self.placement, self.placement_reason)
         self.early_models: dict[str, torch.nn.Module] = {}
         self._identity: dict[str, Any] | None = None
         # Reads the sample/eval prompt files now, so a bad path fails before anything heavy loads.
@@ -245,8 +243,8 @@ class Distiller:
         if self.lora is not None:  # the teacher is the same experts with their adapters off
             high, low = self.lora.teacher_views()
         teacher = GuidedTeacher(
-            high,
-            low,
+            split_model(self.ctx, high),
+            split_model(self.ctx, low),
             self.info.boundary_ratio,
             cfg.guidance_scale,
             cfg.guidance_scale_2,
@@ -377,10 +375,7 @@ class Distiller:
                 )
         if cfg.gradient_checkpointing:
             model.enable_gradient_checkpointing()
-        return model.to(self.device).train()
-
-    def make_student(self) -> torch.nn.Module:
-        return self.make_model("student")
+        return split_model(self.ctx, model.to(self.device).train())
 
     @property
     def latent_frames(self) -> int:
@@ -462,7 +457,7 @@ class Distiller:
                 condition_entries, self.info.kind, latent_frames=self.latent_frames
             ),
         )
-        student = self.make_student()
+        student = self.make_model("student")
         extra = {name: self.make_model(name) for name in self.model_specs if name != "student"}
         loop = TrainingLoop(cfg, self, student, teacher, dataset, negative, out, extra)
         result.resumed_from = loop.maybe_resume()

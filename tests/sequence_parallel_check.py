@@ -1,0 +1,79 @@
+"""Run under torchrun by tests/test_sequence_parallel.py: several training runs in one launch, each
+with --sequence_parallel 2 on the same process group (one launch instead of one per method).
+
+torchrun --standalone --nproc_per_node=2 tests/sequence_parallel_check.py ARGS_FILE
+
+ARGS_FILE holds one JSON list of runs, each a command line (a list of arguments) or
+{"argv": [...], "fault": "sigterm:2"}: that run is stopped by the fault (DISTILL_INJECT_FAULT) and
+then run again, resuming from the checkpoint the stop wrote. Every run must finish.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from distill.config.cli import parse_config
+from distill.models.context_parallel import enable_context_parallel
+from distill.ops import distributed, watchdog
+from distill.train import sequence_parallel
+from distill.train.trainer import Distiller
+from train_distillation import setup_logging
+
+# Sequence lengths the last block of every split transformer saw (after the split at blocks.0).
+SEEN: set[int] = set()
+SPLIT: list[str] = []
+
+
+def watch_split(model, mesh) -> int:
+    """enable_context_parallel, plus a hook that records what each split transformer's last block
+    sees: proof the tokens were split, not merely the result equal."""
+    from diffusers import WanTransformer3DModel
+
+    fresh = [
+        m for m in model.modules() if isinstance(m, WanTransformer3DModel) and m._parallel_config is None
+    ]
+    count = enable_context_parallel(model, mesh)
+    for module in fresh:
+        SPLIT.append(type(model).__name__)
+        module.blocks[-1].register_forward_pre_hook(
+            lambda _m, args, kwargs: SEEN.add((args[0] if args else kwargs["hidden_states"]).shape[1]),
+            with_kwargs=True,
+        )
+    return count
+
+
+def main(args_file: str) -> int:
+    sequence_parallel.enable_context_parallel = watch_split
+    runs = [
+        run if isinstance(run, dict) else {"argv": run} for run in json.loads(Path(args_file).read_text())
+    ]
+    configs = [parse_config(run["argv"]) for run in runs]
+    setup_logging(int(os.environ["RANK"]))
+    ctx = distributed.setup(configs[0].backend, configs[0].device, configs[0].dist_timeout)
+    watchdog.start(configs[0].stall_timeout)
+    try:
+        for run, cfg in zip(runs, configs):
+            if "fault" in run:
+                os.environ["DISTILL_INJECT_FAULT"] = run["fault"]
+                stopped = Distiller(cfg, ctx).run()
+                del os.environ["DISTILL_INJECT_FAULT"]
+                print(f"rank {ctx.rank} stopped {cfg.output_dir} by {stopped.stopped_by_signal}", flush=True)
+                SEEN.clear()
+                SPLIT.clear()
+            result = Distiller(cfg, ctx).run()
+            print(
+                f"rank {ctx.rank} finished {cfg.output_dir}: {result.steps} steps, split {len(SPLIT)} "
+                f"transformer(s), their blocks saw sequence lengths {sorted(SEEN)}",
+                flush=True,
+            )
+            SEEN.clear()
+            SPLIT.clear()
+    finally:
+        watchdog.stop()
+        distributed.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,272 @@
+"""Sequence parallel (--sequence_parallel, diffusers' Ulysses context parallel) on CPU with gloo:
+two ranks splitting each sample's tokens train like one process; degrees a run cannot use are
+refused before the teacher loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, repo_pythonpath, train_args
+from safetensors.torch import load_file
+from test_i2v_training import write_pairs
+
+from distill.config.cli import parse_config
+from distill.models.student import build_student
+from distill.models.student_config import load_student_config
+from distill.models.teacher import inspect_teacher
+from distill.models.teacher_kind import TI2V_5B
+from distill.models.tiny import write_tiny_teacher
+from distill.ops.distributed import DistContext
+from distill.ops.errors import DistillError, format_banner
+from distill.train.cost import RunCounts, run_cost
+from distill.train.plan import step_activations
+from distill.train.sequence_parallel import check_placement, check_sequence_parallel
+from train_distillation import main
+
+# 32x32 pixels, 1 frame: a 4x4 latent in 2x2 patches = 4 tokens, 2 per rank. The tiny teacher has 2
+# heads, the tiny student 4: Ulysses gives each rank whole heads.
+COMMON = dict(height=32, width=32, num_steps=3, lr=1e-3, log_every=1, batch_size=1)
+# method -> its settings, how many transformers a rank splits (the teacher's two experts, the
+# student, dmd's critic; a LoRA student is the teacher's experts themselves, split once) and the
+# tokens each rank's blocks see.
+METHODS = {
+    "velocity": ({}, 3, 2),
+    "dmd": ({"method": "dmd"}, 4, 2),
+    "lora": ({"student_lora_rank": 4}, 2, 2),
+    # Experts sharded with FSDP2 over the same two ranks (one context group), the student's blocks
+    # recomputed in backward; outputs depend on neither, so its reference is the velocity run's.
+    "shard": ({"teacher_placement": "shard", "gradient_checkpointing": True}, 3, 2),
+    # TI2V-5B in image mode: one transformer, a timestep per token (frame 0's tokens at 0), split
+    # with the tokens. 5 frames at 32x32 through its 16x VAE: 2 latent frames of one token each.
+    "ti2v": ({"num_frames": 5, "guidance_scale": 5.0, "max_prompts": 4}, 2, 1),
+}
+REFERENCE = {"shard": "velocity"}
+
+
+def ti2v_world(root: Path) -> dict[str, Path]:
+    """The tiny TI2V-5B teacher, a student config for its 48 channels, and prompt+image pairs."""
+    teacher = write_tiny_teacher(root / "teacher", seed=0, kind=TI2V_5B)
+    expert = json.loads((teacher / "transformer" / "config.json").read_text())
+    student = json.loads((REPO / "config" / "student_tiny.json").read_text())
+    student |= {"in_channels": 48, "out_channels": 48, "text_dim": expert["text_dim"]}
+    (root / "student.json").write_text(json.dumps(student))
+    return {
+        "teacher": teacher,
+        "student_config": root / "student.json",
+        "data_path": write_pairs(root / "data", size=32),
+    }
+
+
+def args(teachers: dict[str, Path], out: Path, cache: Path, method: str, **more: object) -> list[str]:
+    """The command line of `method`'s run; `teachers`: the tiny T2V teacher ("t2v") and the TI2V world."""
+    if method == "ti2v":
+        world = {k: teachers[f"ti2v_{k}"] for k in ("student_config", "data_path")}
+        return train_args(
+            teachers["ti2v_teacher"], out, cache / "ti2v", **COMMON, **METHODS[method][0], **world, **more
+        )
+    argv = train_args(teachers["t2v"], out, cache, **COMMON, **METHODS[method][0], **more)
+    if method == "lora":  # the student is the teacher's experts: no student config
+        at = argv.index("--student_config")
+        del argv[at : at + 2]
+    return argv
+
+
+def launch_two_ranks(runs: list, tmp_path: Path) -> subprocess.CompletedProcess:
+    args_file = tmp_path / "runs.json"
+    strings = [
+        {**run, "argv": [str(a) for a in run["argv"]]} if isinstance(run, dict) else [str(a) for a in run]
+        for run in runs
+    ]
+    args_file.write_text(json.dumps(strings))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "tests" / "sequence_parallel_check.py"),
+            str(args_file),
+        ],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"},
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def metric_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def trained_weights(out: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights after training, the same weights at the start), flattened. A LoRA run: the adapters'
+    B matrices, which start at zero."""
+    if (out / "lora").is_dir():
+        found = {}
+        for file in sorted((out / "lora").glob("*_lora.safetensors")):
+            found |= {f"{file.name}:{k}": v for k, v in load_file(file).items() if "lora_B" in k}
+        after = torch.cat([found[k].float().flatten() for k in sorted(found)])
+        return after, torch.zeros_like(after)
+    (file,) = (out / "student").glob("*.safetensors")
+    weights = load_file(file)
+    config = json.loads((out / "student" / "config.json").read_text())
+    start = build_student(config, seed=0).state_dict()
+    keys = sorted(weights)
+    return (
+        torch.cat([weights[k].float().flatten() for k in keys]),
+        torch.cat([start[k].float().flatten() for k in keys]),
+    )
+
+
+def test_two_ranks_splitting_each_sample_train_like_one_process(tiny_teacher, tmp_path, capsys):
+    """One launch, velocity, dmd, a LoRA student, velocity with sharded experts and the TI2V teacher, each at --sequence_parallel 2 with batch 1 (one
+    context group): the same losses and gradient norms at every step as one process with batch 1,
+    and the same trained weights. The gradient norm is logged after DDP's mean: it matches only if
+    the loss scale puts a group's token shares back together into one process's gradient."""
+    cache = tmp_path / "cache"
+    teachers = {"t2v": tiny_teacher, **{f"ti2v_{k}": v for k, v in ti2v_world(tmp_path / "ti2v").items()}}
+    split: list = [args(teachers, tmp_path / f"{m}-cp2", cache, m, sequence_parallel=2) for m in METHODS]
+    # The velocity run again, stopped by SIGTERM at step 2 and resumed from its checkpoint.
+    resumed = tmp_path / "resumed-cp2"
+    split.append(
+        {"argv": args(teachers, resumed, cache, "velocity", sequence_parallel=2), "fault": "sigterm:2"}
+    )
+    proc = launch_two_ranks(split, tmp_path)
+    assert "1 context group(s) of 2 ranks" in proc.stderr
+    for method, (_, models, tokens) in METHODS.items():
+        # Each rank's blocks saw half of a sample's tokens: they were split, not merely the result equal.
+        for rank in (0, 1):
+            assert (
+                f"rank {rank} finished {tmp_path / f'{method}-cp2'}: 3 steps, split {models} transformer(s), "
+                f"their blocks saw sequence lengths [{tokens}]"
+            ) in proc.stdout, proc.stdout
+        reference = tmp_path / f"{REFERENCE.get(method, method)}-one"
+        if method not in REFERENCE:
+            assert main(args(teachers, reference, cache, method)) == 0
+            capsys.readouterr()
+        one, two = metric_rows(reference), metric_rows(tmp_path / f"{method}-cp2")
+        assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+        for ours, theirs in zip(one, two):
+            assert ours.keys() == theirs.keys()
+            for key, value in ours.items():
+                if isinstance(value, float) and key != "steps_per_s":
+                    # Another order of float reductions (the all-to-alls, the gathered output); the
+                    # LoRA losses are ~1e-4 (the adapters start at zero): absolute 1e-6 for those.
+                    assert theirs[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (
+                        method,
+                        ours["step"],
+                        key,
+                    )
+        # The updates agree: Adam moves a weight whose gradient is ~0 by up to lr on float noise
+        # alone, so a handful of elements may differ by that much; the update as a whole agrees.
+        (after_one, start), (after_two, _) = (
+            trained_weights(reference),
+            trained_weights(tmp_path / f"{method}-cp2"),
+        )
+        update, apart = after_one - start, after_two - after_one
+        assert update.norm() > 10 * COMMON["lr"], method  # it trained
+        assert apart.norm() < 1e-2 * update.norm(), method
+        assert (apart.abs() > 1e-5).float().mean() < 1e-3, method
+    assert proc.stderr.count("all 2 ranks hold identical") >= len(METHODS)
+    # Resumed under sequence parallel: the same bits as the run that was not stopped.
+    assert f"rank 1 stopped {resumed} by SIGTERM" in proc.stdout and "resumed from" in proc.stderr
+    assert metric_rows(resumed) == [
+        {**row, "steps_per_s": other["steps_per_s"]}
+        for row, other in zip(metric_rows(tmp_path / "velocity-cp2"), metric_rows(resumed))
+    ]
+    assert torch.equal(trained_weights(resumed)[0], trained_weights(tmp_path / "velocity-cp2")[0])
+
+
+def test_one_process_is_refused_with_the_launch_that_fixes_it(tiny_teacher, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    assert main(args({"t2v": tiny_teacher}, tmp_path / "out", cache, "velocity", sequence_parallel=2)) != 0
+    err = capsys.readouterr().err
+    assert "--sequence_parallel 2 splits each sample over 2 ranks, but this run is one process" in err
+    assert "torchrun --nproc_per_node=2 train_distillation.py ... --sequence_parallel 2" in err
+    assert not cache.exists() or not any(cache.rglob("*.safetensors"))  # refused before any work
+
+
+def refusal(cfg, info, heads: dict[str, int], world: int, per_node: int) -> str:
+    with pytest.raises(DistillError) as raised:
+        check_sequence_parallel(cfg, info, heads, world, per_node, launched=True)
+    return format_banner(raised.value)
+
+
+def test_degrees_a_run_cannot_split_by_are_refused_naming_those_it_can(tiny_teacher, tmp_path):
+    info = inspect_teacher(str(tiny_teacher), None, convert_dir=tmp_path / "convert", configs_only=True)
+
+    def config(degree: int, **overrides):
+        settings = {**COMMON, "height": 48, **overrides}  # 6x4 latent: 3x2 = 6 tokens
+        return parse_config(
+            train_args(
+                tiny_teacher, tmp_path / "out", tmp_path / "cache", sequence_parallel=degree, **settings
+            )
+        )
+
+    heads = {"teacher's experts": 2, "student": 4}
+    # Not the ranks per node: a context group's all-to-alls stay in a node.
+    text = refusal(config(2), info, heads, world=6, per_node=3)
+    assert "must divide the ranks per node (3)" in text and "--nproc_per_node=2" in text
+    text = refusal(config(4), info, heads, world=8, per_node=8)
+    assert "does not divide the 2 attention heads of the teacher's experts" in text
+    assert "--sequence_parallel 1, 2 (the degrees this run can use)" in text
+    text = refusal(config(4), info, {"student": 8}, world=8, per_node=8)
+    assert "does not divide the 6 tokens of a sample (--height 48 --width 32 --num_frames 1)" in text
+    text = refusal(config(2, save_samples=True), info, heads, world=2, per_node=2)
+    assert "--save_samples with --sequence_parallel 2" in text and "drop --save_samples" in text
+    # Sharded experts need one context group: several would need a placeholder forward of one token.
+    groups = DistContext(world_size=4, sequence_parallel=2)
+    with pytest.raises(DistillError) as raised:
+        check_placement(config(2), groups, "shard", "the teacher fits no other way")
+    text = format_banner(raised.value)
+    assert "cannot use the teacher placement shard (the teacher fits no other way)" in text
+    assert "--teacher_placement gpu" in text and "--sequence_parallel 4" in text
+    check_placement(config(2), DistContext(world_size=2, sequence_parallel=2), "shard", "")
+    check_placement(config(2), groups, "gpu", "")
+    check_placement(config(1), DistContext(world_size=4), "shard", "")  # off: data parallel as before
+    # The degrees named are accepted; 1 is never refused.
+    check_sequence_parallel(config(2), info, heads, 8, 8, launched=True)
+    check_sequence_parallel(config(1), info, heads, 1, 1, launched=False)
+
+
+def test_the_plan_gives_each_rank_its_share_of_the_activations(tiny_teacher, tmp_path, capsys):
+    info = inspect_teacher(str(tiny_teacher), None, convert_dir=tmp_path / "convert", configs_only=True)
+    student = load_student_config(REPO / "config" / "student_tiny.json", info.expert_config)
+
+    def config(degree: int, **overrides):
+        argv = args(
+            {"t2v": tiny_teacher}, tmp_path / "out", tmp_path / "cache", "velocity", sequence_parallel=degree
+        )
+        return parse_config(argv + [f"--{k}={v}" for k, v in overrides.items()])
+
+    peak = {d: step_activations(config(d), info, student, None, torch.float32).bytes for d in (1, 2)}
+    assert peak[2] == pytest.approx(peak[1] / 2)
+    # With accumulation the gradients are held through the update, whole on every rank.
+    held = 4.0 * sum(p.numel() for p in build_student(student).parameters())
+    accumulated = {
+        d: step_activations(
+            config(d, gradient_accumulation_steps=2), info, student, None, torch.float32
+        ).bytes
+        for d in (1, 2)
+    }
+    assert accumulated[2] == pytest.approx((accumulated[1] - held) / 2 + held)
+    # Four ranks in context groups of 2 train the samples of two ranks: the same FLOPs.
+    counts = RunCounts(8, 8, 0, 0)
+    four = run_cost(config(2), info, student, None, counts, world_size=4).flops["training"]
+    assert four == run_cost(config(1), info, student, None, counts, world_size=2).flops["training"]
+    # The dry run (planning for 4 ranks without them) accepts the degree and says so.
+    argv = args({"t2v": tiny_teacher}, tmp_path / "dry", tmp_path / "cache", "velocity", sequence_parallel=2)
+    assert main([*argv, "--dry_run", "--plan_world_size", "4"]) == 0
+    assert "each rank holding 1/2 of them (--sequence_parallel)" in capsys.readouterr().out
+    # Without the world size to plan for, a dry run in one process is told to give it.
+    assert main([*argv, "--dry_run"]) != 0
+    assert "--dry_run --plan_world_size 8" in capsys.readouterr().err
