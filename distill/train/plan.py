@@ -23,7 +23,6 @@ import torch
 from distill.config.settings import TrainConfig
 from distill.models.lora import LoraShape, count_adapter_parameters
 from distill.models.teacher import TeacherInfo, resolve_dtype
-from distill.ops.distributed import DistContext
 from distill.ops.mesh import shard_group_size
 from distill.train.activations import ModelUse, no_grad_peak, parameter_count, stored_bytes, trained
 from distill.train.cost import RunCounts, cost_lines, run_cost, teacher_guided
@@ -458,23 +457,3 @@ def memory_plan(
         )
         lines += cost_lines(cost, cfg, counts)
     return "\n".join(lines)
-
-
-def run_plan(
-    cfg: TrainConfig,
-    info: TeacherInfo,
-    student_config: dict[str, Any],
-    critic_config: dict[str, Any] | None,
-    device: torch.device,
-    ctx: DistContext,
-    chosen: tuple[str, str],
-) -> str:
-    """The plan a run prints (--dry_run) and logs at its start: memory per device at the launched world
-    size (or --plan_world_size, on nodes of torchrun's LOCAL_WORLD_SIZE, 8 when planning for another
-    machine), then the whole run's forwards and GPU-hours."""
-    world = cfg.plan_world_size or ctx.world_size
-    local_world = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", 8 if cfg.plan_world_size else 1)))
-    if cfg.plan_world_size and cfg.plan_world_size != ctx.world_size:
-        chosen = choose_placement(cfg, info, student_config, device, world, critic_config, local_world)
-    counts = RunCounts.from_config(cfg)
-    return memory_plan(cfg, info, student_config, device, world, local_world, chosen, critic_config, counts)

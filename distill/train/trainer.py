@@ -61,7 +61,8 @@ from distill.train.export import EXPORTS, export_run
 from distill.train.identity import check_identity, run_identity
 from distill.train.loop import RunResult, TrainingLoop
 from distill.train.methods import method_class
-from distill.train.plan import choose_placement, run_plan
+from distill.train.plan import choose_placement
+from distill.train.plan_parallel import run_plan
 from distill.train.run_checks import (
     check_learned_frames,
     check_lora_ranks,

@@ -1,0 +1,172 @@
+"""The plan a run prints at its own sizes, and, when it does not fit, the smallest --sequence_parallel
+degree that would make it fit (or a line saying none does).
+
+A degree is a candidate when the trainer would accept it (distill.train.sequence_parallel): it divides
+the ranks per node and the world size, every split model's attention heads and a sample's tokens, and
+sharded experts span one context group only. The search re-plans the run at each candidate, smallest
+first, with the same placement, batch and accumulation, and names the first whose memory fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from distill.config.settings import TrainConfig
+from distill.models.teacher import TeacherInfo
+from distill.ops.distributed import DistContext
+from distill.train.cost import RunCounts
+from distill.train.plan import (
+    GIB,
+    HEADROOM,
+    PLACEMENTS,
+    REFERENCE_GPU_BYTES,
+    choose_placement,
+    estimate,
+    memory_plan,
+    tokens_of,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DegreeFit:
+    """A --sequence_parallel degree and the memory per device it plans (None: no degree fits)."""
+
+    degree: int | None
+    need: float = 0.0
+    tried: tuple[int, ...] = ()
+
+
+def usable_degrees(
+    cfg: TrainConfig,
+    info: TeacherInfo,
+    student_config: dict[str, Any],
+    critic_config: dict[str, Any] | None,
+    world_size: int,
+    local_world_size: int,
+    placement: str,
+) -> list[int]:
+    """The degrees above 1 the trainer accepts for this run, smallest first."""
+    tokens = tokens_of(cfg, info)
+    heads = [
+        int(config["num_attention_heads"])
+        for config in (info.expert_config, student_config, critic_config)
+        if config
+    ]
+    return [
+        d
+        for d in range(2, local_world_size + 1)
+        if not (world_size % d or local_world_size % d or tokens % d or any(h % d for h in heads))
+        # Sharded experts across several context groups are refused (check_placement).
+        and not (placement == "shard" and world_size // d > 1)
+    ]
+
+
+def at_degree(cfg: TrainConfig, degree: int) -> TrainConfig:
+    """The run at --sequence_parallel `degree`, accumulating as many more micro-steps as it has fewer
+    context groups (the same global batch)."""
+    accumulation = -(-cfg.gradient_accumulation_steps * degree // cfg.sequence_parallel)
+    return dataclasses.replace(cfg, sequence_parallel=degree, gradient_accumulation_steps=accumulation)
+
+
+def smallest_fitting_degree(
+    cfg: TrainConfig,
+    info: TeacherInfo,
+    student_config: dict[str, Any],
+    critic_config: dict[str, Any] | None,
+    device: torch.device,
+    world_size: int,
+    local_world_size: int,
+    placement: str,
+    capacity: float,
+) -> DegreeFit:
+    """The smallest usable degree above the run's own whose plan fits `capacity` x HEADROOM bytes, with
+    --gradient_accumulation_steps raised so that the global batch stays the run's."""
+    tried = []
+    for degree in usable_degrees(
+        cfg, info, student_config, critic_config, world_size, local_world_size, placement
+    ):
+        if degree <= cfg.sequence_parallel:
+            continue
+        tried.append(degree)
+        need = estimate(
+            at_degree(cfg, degree),
+            info,
+            student_config,
+            device,
+            placement,
+            world_size,
+            critic_config,
+            local_world_size,
+        ).total
+        if need <= capacity * HEADROOM:
+            return DegreeFit(degree, need, tuple(tried))
+    return DegreeFit(None, tried=tuple(tried))
+
+
+def degree_line(
+    cfg: TrainConfig,
+    info: TeacherInfo,
+    student_config: dict[str, Any],
+    critic_config: dict[str, Any] | None,
+    device: torch.device,
+    world_size: int,
+    local_world_size: int,
+    placement: str,
+) -> list[str]:
+    """One line when `placement` does not fit the device: the degree that fits, or that none does."""
+    if placement not in PLACEMENTS or world_size < 2:
+        return []
+    capacity = (
+        torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda"
+        else REFERENCE_GPU_BYTES
+    )
+    args = (cfg, info, student_config, device, placement, world_size, critic_config, local_world_size)
+    if estimate(*args).total <= capacity * HEADROOM:
+        return []
+    fit = smallest_fitting_degree(
+        cfg, info, student_config, critic_config, device, world_size, local_world_size, placement, capacity
+    )
+    if fit.degree is None:
+        tried = ", ".join(map(str, fit.tried)) or "none usable"
+        return [
+            f"  {placement} does not fit at any --sequence_parallel degree this run can use "
+            f"(tried: {tried}); lower --height, --width or --num_frames"
+        ]
+    groups = world_size // fit.degree
+    accumulation = at_degree(cfg, fit.degree).gradient_accumulation_steps
+    return [
+        f"  {placement} fits with --sequence_parallel {fit.degree} --gradient_accumulation_steps "
+        f"{accumulation}: {fit.need / GIB:.2f} GiB per device ({groups} context group"
+        f"{'s' if groups > 1 else ''} of {fit.degree} ranks, the same global batch"
+        + ("; without --save_samples and --eval_interval" if cfg.save_samples or cfg.eval_interval else "")
+        + ")"
+    ]
+
+
+def run_plan(
+    cfg: TrainConfig,
+    info: TeacherInfo,
+    student_config: dict[str, Any],
+    critic_config: dict[str, Any] | None,
+    device: torch.device,
+    ctx: DistContext,
+    chosen: tuple[str, str],
+) -> str:
+    """The plan a run prints (--dry_run) and logs at its start: memory per device at the launched world
+    size (or --plan_world_size, on nodes of torchrun's LOCAL_WORLD_SIZE, 8 when planning for another
+    machine), the degree that fits when the placement does not, then the run's forwards and GPU-hours."""
+    world = cfg.plan_world_size or ctx.world_size
+    local_world = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", 8 if cfg.plan_world_size else 1)))
+    if cfg.plan_world_size and cfg.plan_world_size != ctx.world_size:
+        chosen = choose_placement(cfg, info, student_config, device, world, critic_config, local_world)
+    counts = RunCounts.from_config(cfg)
+    text = memory_plan(cfg, info, student_config, device, world, local_world, chosen, critic_config, counts)
+    lines = text.splitlines()
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("fits "))
+    hint = degree_line(cfg, info, student_config, critic_config, device, world, local_world, chosen[0])
+    return "\n".join([*lines[: verdict + 1], *hint, *lines[verdict + 1 :]])
