@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-requirements
 
+# The demos own their outputs/ teacher folders: --overwrite replaces one an older checkout wrote
+# (download_wan.py keeps a folder holding other files without it).
 DEMO_TEACHER := outputs/toy-wan
 DEMO_OUT := outputs/demo
 # When this make started: `make test` prints the time since, set-up included.
@@ -30,7 +32,7 @@ $(STAMP): requirements.txt
 # teacher at 20 and at 4 steps and of the student) and the summary: a table in the terminal and
 # outputs/demo/summary.png. About 3 min on 2 CPU cores.
 demo: $(STAMP)
-	$(PY) download_wan.py --toy $(DEMO_TEACHER)
+	$(PY) download_wan.py --toy $(DEMO_TEACHER) --overwrite
 	rm -rf $(DEMO_OUT) outputs/demo-cache
 	$(DEMO_ENV) $(PY) train_distillation.py --method dmd \
 		--teacher_path $(DEMO_TEACHER) \
@@ -57,7 +59,7 @@ demo: $(STAMP)
 # cache is rebuilt every time, as make demo's is, so a demo just runs).
 CLIPS_OUT := outputs/demo-clips
 demo-clips: $(STAMP)
-	$(PY) download_wan.py --toy $(DEMO_TEACHER)
+	$(PY) download_wan.py --toy $(DEMO_TEACHER) --overwrite
 	rm -rf $(CLIPS_OUT) outputs/demo-clips-cache
 	$(DEMO_ENV) $(PY) train_distillation.py --method dmd \
 		--teacher_path $(DEMO_TEACHER) \
@@ -96,7 +98,7 @@ I2V_RUN := --teacher_path $(I2V_TEACHER) --data_path $(I2V_OUT)/data/prompts.jso
 	--batch_size 16 --student_steps 4 --critic_updates 5 \
 	--log_every 50 --checkpoint_every 0 --seed $(SEED)
 demo-i2v: $(STAMP)
-	$(PY) download_wan.py --toy $(I2V_TEACHER) --toy_kind i2v
+	$(PY) download_wan.py --toy $(I2V_TEACHER) --toy_kind i2v --overwrite
 	rm -rf $(I2V_OUT)
 	$(DEMO_ENV) $(PY) -m distill.toy.i2v_data --output $(I2V_OUT)/data --count 512 --seed 1
 	$(DEMO_ENV) $(PY) train_distillation.py --method dmd $(I2V_RUN) \

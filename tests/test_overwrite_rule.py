@@ -136,3 +136,24 @@ def test_toy_data_writer_keeps_a_data_set_it_did_not_write(
     assert len(lines) == 2 and sorted(p.name for p in (folder / "images").iterdir()) == [
         json.loads(line)["image"].split("/")[1] for line in lines
     ]  # no image of the old set outlives it
+
+
+def test_the_make_demos_replace_the_toy_teacher_an_older_checkout_left(
+    capsys: pytest.CaptureFixture[str], toy_i2v: Path, tmp_path: Path
+) -> None:
+    """`make demo`, `demo-clips` and `demo-i2v` own their outputs/ teacher folder: after a pull that
+    changes a shipped toy teacher, the folder an older demo wrote holds other files, and the demo must
+    replace it (the demos pass --overwrite) rather than stop at the overwrite rule."""
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    commands = [
+        line.split("download_wan.py", 1)[1].split() for line in makefile.splitlines() if "--toy $(" in line
+    ]
+    assert len(commands) == 3
+    for number, args in enumerate(commands):
+        stale = tmp_path / f"teacher-{number}"
+        shutil.copytree(toy_i2v, stale)
+        (stale / "transformer" / "config.json").write_text('{"from": "an older checkout"}\n')
+        argv = [str(stale) if arg.startswith("$(") else arg for arg in args]
+        assert run_main(capsys, *argv)[0] == 0, argv
+        assert read_teacher_kind(stale) is not None
+        assert "older checkout" not in (stale / "transformer" / "config.json").read_text()
