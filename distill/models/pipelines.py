@@ -102,7 +102,8 @@ def encode_prompts(
 ) -> dict[str, torch.Tensor]:
     """Zero-padded (max_sequence_length, text_dim) embeddings of `prompts`, on the CPU.
 
-    Loads the text encoder, encodes exactly as WanPipeline does, and frees it again.
+    Loads the text encoder, encodes as WanPipeline does (on the tokens the prompts need, zero-padded
+    after: `encode_on_needed_tokens`), and frees it again.
     """
     from diffusers import WanPipeline
 
@@ -110,16 +111,50 @@ def encode_prompts(
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=None, scheduler=None)
     unique = list(dict.fromkeys(prompts))
     with torch.no_grad():
-        embeds = pipe.encode_prompt(
-            unique,
-            do_classifier_free_guidance=False,
-            max_sequence_length=max_sequence_length,
-            device=device,
-            dtype=dtype,
-        )[0]
+        embeds = encode_on_needed_tokens(pipe, unique, max_sequence_length, device, dtype=dtype)[0]
     result = {prompt: embed.cpu() for prompt, embed in zip(unique, embeds)}
     free(pipe, tokenizer, encoder)
     return result
+
+
+def encode_on_needed_tokens(
+    pipe: Any,
+    prompts: Sequence[str],
+    max_sequence_length: int,
+    device: torch.device | str,
+    negative: bool = False,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`pipe.encode_prompt` of `prompts` (and of as many empty negative prompts when `negative`),
+    zero-padded to `max_sequence_length` rows as WanPipeline pads them, but encoded on only as many
+    tokens as the longest of them needs.
+
+    Why: UMT5 masks the padding, so a prompt's rows do not depend on how far it is padded (the same
+    up to float rounding, 1e-6 on the toy teacher), while the encoder's cost grows with the padded
+    length: 64 toy prompts of 12 tokens took 5.5 s at 512 tokens and 0.01 s at 12."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    texts = [*prompts, *([""] if negative else [])]
+    tokens = pipe.tokenizer(
+        [prompt_clean(text) for text in texts],
+        add_special_tokens=True,
+        truncation=True,
+        max_length=max_sequence_length,
+    ).input_ids
+    needed = max(len(ids) for ids in tokens)
+    embeds, negative_embeds = pipe.encode_prompt(
+        prompt=list(prompts),
+        negative_prompt=[""] * len(prompts) if negative else None,
+        do_classifier_free_guidance=negative,
+        max_sequence_length=needed,
+        device=device,
+        dtype=dtype,
+    )
+
+    def padded(rows: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(rows, (0, 0, 0, max_sequence_length - rows.shape[1]))
+
+    return padded(embeds), padded(negative_embeds) if negative else None
 
 
 # ---------------------------------------------------------------------------------------------

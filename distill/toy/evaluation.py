@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from distill.models.lora import RoutedModel
+from distill.models.pipelines import encode_on_needed_tokens
 from distill.toy import world
 from distill.toy.score import score_any
 
@@ -91,8 +92,8 @@ def prompt_embeddings(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """WanPipeline's own embeddings of `prompts` and of as many empty negative prompts, kept for the
     process per teacher and prompt list: the scorer samples the same prompts again and again (teacher
-    and students, at several step counts), and encoding them, 512 tokens each, was 44% of a clip
-    scoring. The text encoder's file stamp is part of the key: another teacher in the same folder
+    and students, at several step counts). Encoded on the tokens the prompts need, padded after
+    (distill.models.pipelines.encode_on_needed_tokens): 512 tokens each were 44% of a clip scoring. The text encoder's file stamp is part of the key: another teacher in the same folder
     is encoded anew."""
     weights = teacher_path / "text_encoder" / "model.safetensors"
     stamp = (weights.stat().st_mtime_ns, weights.stat().st_size) if weights.is_file() else None
@@ -100,12 +101,8 @@ def prompt_embeddings(
     if key not in _EMBEDDINGS:
         if len(_EMBEDDINGS) >= 32:
             _EMBEDDINGS.clear()
-        _EMBEDDINGS[key] = pipe.encode_prompt(
-            prompt=list(prompts),
-            negative_prompt=[""] * len(prompts),
-            do_classifier_free_guidance=True,
-            max_sequence_length=MAX_SEQUENCE_LENGTH,
-            device=pipe.text_encoder.device,
+        _EMBEDDINGS[key] = encode_on_needed_tokens(
+            pipe, prompts, MAX_SEQUENCE_LENGTH, pipe.text_encoder.device, negative=True
         )
     return _EMBEDDINGS[key]
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from distill.models.pipelines import encode_on_needed_tokens
 from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.paths import Kind
 from distill.toy import world
@@ -45,13 +46,7 @@ def prompt_embeddings(pipe: Any, prompt: str) -> dict[str, torch.Tensor]:
     encoding cost more than a few-step sample of the toy clip."""
     known = _EMBEDDINGS.setdefault(pipe.text_encoder, {})
     if prompt not in known:
-        known[prompt] = pipe.encode_prompt(
-            prompt=prompt,
-            negative_prompt="",
-            do_classifier_free_guidance=True,
-            max_sequence_length=512,
-            device=pipe.text_encoder.device,
-        )
+        known[prompt] = encode_on_needed_tokens(pipe, [prompt], 512, pipe.text_encoder.device, negative=True)
     embedding, negative = known[prompt]
     return {"prompt_embeds": embedding, "negative_prompt_embeds": negative}
 
