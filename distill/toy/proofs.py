@@ -2,7 +2,7 @@
 full bars: the long proof behind the README's toy tables (`make proofs`; not in CI, whose tests score
 the shipped students and train each method briefly).
 
-    python -m distill.toy.proofs                      # all of them (about 75 min on 2 CPU cores)
+    python -m distill.toy.proofs                      # all of them (about 85 min on 2 CPU cores)
     python -m distill.toy.proofs --only dmd clips_dmd # some of them
     python -m distill.toy.proofs --ship               # and replace the shipped folders with the new runs
 
