@@ -18,7 +18,7 @@ SEED ?= 0
 # runs (the teacher-latent cache took 21 s against 3 min beside another job).
 DEMO_ENV := OMP_NUM_THREADS=1
 
-.PHONY: demo demo-clips demo-i2v test proofs gpu-check lint format clean toy-stage1 toy-stage1-clips
+.PHONY: demo demo-clips demo-i2v demo-user-lora test proofs gpu-check lint format clean toy-stage1 toy-stage1-clips
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -115,6 +115,15 @@ demo-i2v: $(STAMP)
 		--student dmd=$(I2V_OUT)/dmd/student --student lora=$(I2V_OUT)/lora/lora \
 		--count 72 --output_dir $(I2V_OUT)/eval
 
+# Speed for a user's own model (docs/lora.md, "Speed LoRAs for your own LoRAs"): a user's LoRA of the toy
+# teacher (assets/toy_user_lora/, a palette the base world lacks, in the Wan/ComfyUI form) and a 4-step
+# speed LoRA distilled against teacher + that LoRA (assets/toy_student_user_lora/), scored against the
+# base speed LoRA stacked on it as users do today, on all 216 prompts at two noise seeds; every model
+# sampled by stock WanPipeline with the pairs as adapters. Prints the table and its bars from the shipped
+# files (`python -m distill.toy.user_table --retrain` distils the speed LoRA again, ~3 min of training).
+demo-user-lora: $(STAMP)
+	$(DEMO_ENV) $(PY) -m distill.toy.user_table
+
 # Retrains the shipped stage-1 toy student (assets/toy_student_stage1/, where the dmd test and the
 # README's toy stage 2 start): velocity distillation at guidance 1, 6,000 steps, ~16 min on one core.
 toy-stage1: $(STAMP)
@@ -137,9 +146,10 @@ test: $(STAMP)
 
 # The long proofs, not in CI: every shipped toy student (assets/toy_student_*, assets/toy_i2v_student_*)
 # trained again from scratch with its recorded command and held to its full bars; the stage-1 students
-# must rebuild what is shipped (distill/toy/proofs.py; about 75 min on 2 CPU cores; `--ship` replaces
-# the assets). CI scores the shipped students and trains each method briefly instead. Run it before
-# landing a change to a method, a sampler or the toy world.
+# must rebuild what is shipped; the toy user LoRA and the speed LoRA distilled against it are trained
+# again too (distill/toy/proofs.py; about 85 min on 2 CPU cores; `--ship` replaces the assets). CI
+# scores the shipped students and trains each method briefly instead. Run it before landing a change
+# to a method, a sampler or the toy world.
 proofs: $(STAMP)
 	$(DEMO_ENV) $(PY) -m distill.toy.proofs
 

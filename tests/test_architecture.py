@@ -38,6 +38,8 @@ COMMANDS = {
     "distill.toy.i2v_ship",
     "distill.toy.t2v_ship",
     "distill.toy.t2v_students",
+    "distill.toy.user_lora",
+    "distill.toy.user_table",
     "distill.toy.proofs",
     "distill.toy.shipping",  # what the ship commands share; only they import it
 }

@@ -143,6 +143,8 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
             "    torch_dtype=dtype,",
             ")",
         ]
+    if kind == "lora":
+        lines += _user_adapter_lines(settings)
     if settings.scheduler and kind != "pipeline":  # the pipeline/ folder already holds it
         name = settings.scheduler["_class_name"]
         config = {k: v for k, v in settings.scheduler.items() if not k.startswith("_")}
@@ -247,6 +249,56 @@ def _teacher_lora_lines(settings: RunSettings) -> list[str]:
     ]
 
 
+def _user_adapter_lines(settings: RunSettings) -> list[str]:
+    """A speed LoRA distilled against a teacher with the user's LoRAs samples that model: the user's
+    files loaded beside it as adapters, each at the scale it was fused at, all active together."""
+    if not settings.teacher_loras:
+        return []
+    names = ["fast"] if settings.one_transformer else ["fast", "fast_2"]
+    weights = [1.0] * len(names)
+    lines = ["# the LoRAs it was distilled against, as adapters beside the speed LoRA (at their scales)"]
+    for index, lora in enumerate(settings.teacher_loras):
+        path = Path(str(lora.get("file")))
+        second = lora.get("expert") == "transformer_2"
+        name = f"user_{index}"
+        lines.append(
+            f"pipe.load_lora_weights({str(path.parent)!r}, weight_name={path.name!r}, adapter_name={name!r}"
+            + (", load_into_transformer_2=True)" if second else ")")
+        )
+        names.append(name)
+        weights.append(float(lora.get("scale", 1.0)))
+    lines.append(f"pipe.set_adapters({names!r}, adapter_weights={weights!r})")
+    return lines
+
+
+def _comfyui_lines(settings: RunSettings) -> list[str]:
+    """How the speed LoRA and the user's LoRAs it was distilled against stack in ComfyUI."""
+    if not settings.teacher_loras:
+        return []
+    models = {"transformer": "the high-noise model", "transformer_2": "the low-noise model"}
+    files = {"transformer": "high_noise_lora.safetensors", "transformer_2": "low_noise_lora.safetensors"}
+    if settings.one_transformer:
+        models, files = {"transformer": "the model"}, {"transformer": "lora.safetensors"}
+    lines = [
+        "",
+        "## With the LoRAs it was distilled against",
+        "",
+        "It was distilled against the teacher carrying the LoRAs below, so sample it with them loaded",
+        "(above: both adapters active with `set_adapters`). In ComfyUI, chain two LoRA loaders",
+        "(LoraLoaderModelOnly) on each model:",
+        "",
+    ]
+    for expert, model in models.items():
+        mine = [lora for lora in settings.teacher_loras if lora.get("expert") == expert]
+        yours = ", then ".join(
+            f"`{Path(str(lora.get('file'))).name}` at strength {lora.get('scale')}" for lora in mine
+        )
+        lines.append(
+            f"- {model}: {yours or 'no user LoRA'}, then this folder's `comfyui/{files[expert]}` at strength 1"
+        )
+    return lines
+
+
 def model_card_text(
     settings: RunSettings, kind: str, folder_ref: str, eval_result: Mapping[str, Any] | None = None
 ) -> str:
@@ -325,6 +377,8 @@ def model_card_text(
         + (" --image first_frame.png" if settings.takes_image else "")
         + " --output out.png` of the wan-distill",
         "project uses these values by default (from `run_settings.json` in this folder).",
+        "",
+        *(_comfyui_lines(settings) if kind == "lora" else []),
         "",
         "## Training",
         "",

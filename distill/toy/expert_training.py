@@ -34,6 +34,7 @@ def train_experts(
     recipe: Recipe,
     log: Any = print,
     device: str | torch.device = "cpu",
+    adapters_only: bool = False,
 ) -> None:
     """Flow matching of the recipe's trained experts (both by default) on each (latents (N, C, T,
     h, w), prompt ids (N,) into the folded text table `text` (whose last row is the empty prompt),
@@ -41,7 +42,8 @@ def train_experts(
     A `condition` (N, C', T, h, w) is concatenated after the noisy latents, as the image-to-video
     model's input is (models/conditioning.py `model_input`); it is never dropped with the text.
     Every draw comes from one CPU generator, so `device` changes where the arithmetic runs, not which
-    samples, noise and timesteps a step sees."""
+    samples, noise and timesteps a step sees. With `adapters_only` only the experts' LoRA weights
+    (peft's `lora_` parameters, added beforehand) train: a user's LoRA of a frozen teacher."""
     short, bias = text
     empty = short.shape[0] - 1
     generator = torch.Generator().manual_seed(recipe.seed * 31 + 5)
@@ -56,8 +58,14 @@ def train_experts(
     experts = {
         name: model for name, model in (("high", high), ("low", low)) if name in recipe.trained_experts
     }
-    processors = {name: fold_into(model.train().requires_grad_(True)) for name, model in experts.items()}
-    params = [p for model in experts.values() for p in model.parameters()]
+    for model in experts.values():
+        model.train()
+        for key, parameter in model.named_parameters():
+            parameter.requires_grad_(not adapters_only or ".lora_" in key)
+    processors = {name: fold_into(model) for name, model in experts.items()}
+    params = [p for model in experts.values() for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("nothing to train: adapters_only needs LoRA adapters added to the trained experts")
     optimizer = torch.optim.AdamW(params, lr=recipe.expert_lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, recipe.expert_lr, total_steps=recipe.expert_steps, pct_start=0.05

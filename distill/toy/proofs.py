@@ -2,13 +2,15 @@
 full bars: the long proof behind the README's toy tables (`make proofs`; not in CI, whose tests score
 the shipped students and train each method briefly).
 
-    python -m distill.toy.proofs                      # all of them (about 75 min on 2 CPU cores)
+    python -m distill.toy.proofs                      # all of them (about 85 min on 2 CPU cores)
     python -m distill.toy.proofs --only dmd clips_dmd # some of them
     python -m distill.toy.proofs --ship               # and replace the shipped folders with the new runs
 
 Students: the text-to-video ones of distill.toy.t2v_ship (dmd, lora, clips_dmd, clips_lora), the
 image-to-video ones of distill.toy.i2v_ship (i2v_dmd, i2v_lora) and the velocity stage-1 students
-the dmd students start from (stage1, clips_stage1: distill.toy.stage_one; i2v_stage1). Each run goes to
+the dmd students start from (stage1, clips_stage1: distill.toy.stage_one; i2v_stage1), and the
+toy user LoRA with the speed LoRA distilled against teacher + it (user_lora: distill.toy.user_lora,
+distill.toy.user_table; held to the four-row table's bars). Each run goes to
 outputs/proofs/NAME/; the shipped assets change only with --ship. A stage-1 student has no bars of
 its own: it must score, at 4 steps of the few-step sampler on the world's 216 prompts, within 0.05 of
 the shipped one it rebuilds. Prints one line per student and exits 1 when any bar is missed.
@@ -28,6 +30,7 @@ from distill.ops.command import Parser, PathAction, entry_point
 from distill.ops.paths import Kind
 
 STAGE_ONE_TOLERANCE = 0.05
+USER_WORLD_FLOOR = 0.9
 
 
 def prove_t2v(kind: str, work: Path, ship: bool) -> list[str]:
@@ -82,6 +85,25 @@ def prove_stage_one(clips: bool, work: Path, ship: bool) -> list[str]:
     )
 
 
+def prove_user_lora(work: Path, ship: bool) -> list[str]:
+    """Retrain the toy user LoRA and the speed LoRA distilled against teacher + it; the bars they miss
+    (the teacher must draw the user's world with the new LoRA, USER_WORLD_FLOOR at 20 steps)."""
+    from distill.toy import user_lora, user_table
+
+    pair = user_lora.ASSET if ship else work / "user_lora"
+    made = user_lora.retrain(work / "user-lora-work", user_lora.UserLoraRecipe(), pair)
+    reference = made["teacher_20_steps"]["with_lora"]["user_world"]
+    print(f"  teacher + the new user LoRA at 20 steps: {reference:.3f} in the user's world")
+    exported, record = user_table.retrain(work / "speed", pair)
+    print(user_table.table(record["evaluation"]["rows"]))
+    if ship:
+        user_table.ship(exported, record)
+    missed = user_table.unmet(record["evaluation"]["bars"])
+    if reference < USER_WORLD_FLOOR:
+        missed.append(f"user LoRA {reference:.3f} (>= {USER_WORLD_FLOOR})")
+    return missed
+
+
 def proofs() -> dict[str, Callable[[Path, bool], list[str]]]:
     """Every proof by name, stage-1 students first (the dmd students start from the shipped ones)."""
     from distill.toy import i2v_ship, t2v_ship
@@ -94,6 +116,7 @@ def proofs() -> dict[str, Callable[[Path, bool], list[str]]]:
         found[f"i2v_{kind}"] = lambda work, ship, kind=kind: prove_i2v(kind, work, ship)
     for kind in t2v_ship.RECIPES:
         found[kind] = lambda work, ship, kind=kind: prove_t2v(kind, work, ship)
+    found["user_lora"] = prove_user_lora
     return found
 
 
