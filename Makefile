@@ -154,8 +154,10 @@ proofs: $(STAMP)
 	$(DEMO_ENV) $(PY) -m distill.toy.proofs
 
 # On a CUDA machine, what CI cannot run: the gpu-marked tests, the two-rank sharded LoRA run on NCCL
-# (two GPUs or more), distill.bench at the 1.3B preset eager and compiled, and the teacher streamed from
-# CPU against a resident one at 81 frames: a table, and outputs/gpu-check/gpu_check.json. Without CUDA
+# (two GPUs or more), distill.bench at the 1.3B one-frame preset eager and compiled, the 81-frame rows
+# (1.3B student step eager and compiled, A14B LoRA step, teacher forward, each attention backend that
+# trains) and the teacher streamed from CPU against a resident one at 81 frames: a table, and
+# outputs/gpu-check/gpu_check.json. Without CUDA
 # it says so and exits 0 (distill/gpu_check.py).
 gpu-check: $(STAMP)
 	$(PY) -m distill.gpu_check

@@ -7,10 +7,17 @@ The steps, each in its own process (a crash or a full GPU in one cannot spoil th
 
 - gpu-tests: `pytest -m gpu`, every test marked for a GPU (the two-GPU one is its own step);
 - sharded-lora-nccl: the two-rank LoRA run with the experts sharded, on NCCL (two GPUs or more);
-- bench-eager / bench-compiled: `python -m distill.bench --preset gpu-1.3b`, without and with
-  --compile: step times, the trainer's overhead over a bare loop, MFU, peak memory;
-- teacher-streamed-81: the same bench at 81 frames with the teacher held in CPU RAM
-  (--teacher_on_cpu): a streamed teacher forward against a GPU-resident one on the same inputs.
+- bench-eager / bench-compiled: `python -m distill.bench --preset gpu-1.3b-pictures` (one frame),
+  without and with --compile: step times, the trainer's overhead over a bare loop, MFU, peak memory;
+- clip-eager / clip-compiled: the 1.3B student's step at 480x832x81 (gpu-1.3b-480p-81), the shape
+  users train;
+- lora-81: the A14B LoRA step, one whole expert with rank-64 adapters (gpu-a14b-lora-480p-81);
+- teacher-81: the teacher's guided forward alone, one whole expert (gpu-teacher-480p-81);
+- attention-NAME: the clip step under each attention backend that trains (--attention_backend
+  _native_cudnn, _native_flash, flash, flex compiled); clip-eager is SDPA's own pick. A backend whose
+  package is missing here is skipped, saying what to install;
+- teacher-streamed-81: the clip step with the teacher held in CPU RAM (--teacher_on_cpu): a streamed
+  teacher forward against a GPU-resident one on the same inputs.
 
 It prints the table and writes <output_dir>/gpu_check.json (beside each step's log, bench JSON and
 pytest report); exit code 0 when every step passed or was skipped, 1 otherwise. Without CUDA it
@@ -52,6 +59,8 @@ class Step:
     report_file: str
     """The file, in the output folder, that the command writes its result to."""
     gpus: int = 1
+    backend: str | None = None
+    """The attention backend the step runs: skipped where it cannot run (a missing package)."""
 
 
 @dataclass
@@ -66,11 +75,17 @@ class StepResult:
     note: str = ""
 
 
-def bench_step(name: str, what: str, *extra: str) -> Step:
+def bench_step(name: str, what: str, *extra: str, preset: str = "gpu-1.3b-pictures") -> Step:
     file = f"{name}.json"
-    return Step(
-        name, what, ("-m", "distill.bench", "--preset", "gpu-1.3b", *extra, "--json", file), "bench", file
-    )
+    args = ("-m", "distill.bench", "--preset", preset, *extra, "--json", file)
+    backend = extra[extra.index("--attention_backend") + 1] if "--attention_backend" in extra else None
+    return Step(name, what, args, "bench", file, backend=backend)
+
+
+# The backends compared at 81 frames (SDPA's own pick is clip-eager). flex is compiled: eager, it
+# materialises every score (tens of GB a block at 32,760 tokens).
+BACKENDS = (("_native_cudnn",), ("_native_flash",), ("flash",), ("flex", "--compile"))
+CLIP = "gpu-1.3b-480p-81"
 
 
 def pytest_step(name: str, what: str, *selection: str, gpus: int = 1) -> Step:
@@ -90,14 +105,45 @@ def plan_steps(gpus: int) -> list[Step]:
         bench_step("bench-eager", "distill.bench gpu-1.3b, eager"),
         bench_step("bench-compiled", "distill.bench gpu-1.3b, --compile", "--compile"),
         # 81 frames at 480x832 is 32,760 tokens a sample: one sample, checkpointed, fits one GPU.
+        bench_step("clip-eager", "1.3B student step, 480x832x81, eager", preset=CLIP),
+        bench_step("clip-compiled", "1.3B student step, 480x832x81, --compile", "--compile", preset=CLIP),
+        bench_step(
+            "lora-81", "A14B LoRA step, whole expert, rank 64, 480x832x81", preset="gpu-a14b-lora-480p-81"
+        ),
+        bench_step("teacher-81", "A14B expert guided forward, 480x832x81", preset="gpu-teacher-480p-81"),
+        *(
+            bench_step(
+                f"attention-{name.strip('_')}",
+                f"1.3B student step, 480x832x81, --attention_backend {name}",
+                "--attention_backend",
+                name,
+                *extra,
+                preset=CLIP,
+            )
+            for name, *extra in BACKENDS
+        ),
         bench_step(
             "teacher-streamed-81",
             "teacher streamed from CPU vs resident, 81 frames",
-            *("--teacher_on_cpu", "--num_frames", "81", "--batch_size", "1", "--gradient_checkpointing"),
-            *("--steps", "6", "--warmup", "2", "--block", "1"),
+            "--teacher_on_cpu",
+            preset=CLIP,
         ),
     ]
     return [step for step in steps if step.gpus <= gpus]
+
+
+def unavailable(step: Step) -> str:
+    """Why `step` cannot run on this machine's software ("" when it can): its backend's refusal."""
+    if step.backend is None:
+        return ""
+    from distill.models.attention_backend import check_backend
+    from distill.ops.errors import DistillError
+
+    try:
+        check_backend(step.backend, "cuda")
+    except DistillError as error:
+        return f"{error.title}: {'; '.join(error.fixes[:1])}"
+    return ""
 
 
 def skipped_steps(gpus: int) -> list[StepResult]:
@@ -171,8 +217,17 @@ def read_bench(path: Path) -> dict[str, Any]:
     """The figures a person compares between machines, from distill.bench's JSON."""
     result = json.loads(path.read_text())
     memory = result["memory"]
+    if "step" in result:  # one model alone (distill.bench.model_step): no trainer to compare
+        return {
+            "device": result["environment"]["device_name"],
+            "step_ms": result["step"]["median_ms"],
+            "mfu": result["flops"]["mfu"],
+            "peak_bytes": memory["cuda_max_allocated_bytes"] or memory["cpu_rss_peak_bytes"],
+            "sdpa_kernel": result["environment"].get("sdpa_kernel"),
+        }
     figures = {
         "device": result["environment"]["device_name"],
+        "sdpa_kernel": result["environment"].get("sdpa_kernel"),
         "trainer_ms": result["trainer"]["median_ms"],
         "bare_ms": result["bare"]["median_ms"],
         "overhead_ratio": result["overhead_ratio"],
@@ -220,9 +275,14 @@ def describe(figures: dict[str, Any]) -> str:
     if "trainer_ms" in figures:
         parts.append(f"step {figures['trainer_ms']:.1f} ms (bare {figures['bare_ms']:.1f})")
         parts.append(f"overhead {figures['overhead_ratio']:.3f}")
+    elif "step_ms" in figures:
+        parts.append(f"step {figures['step_ms']:.1f} ms")
+    if "trainer_ms" in figures or "step_ms" in figures:
         if figures["mfu"] is not None:
             parts.append(f"MFU {100 * figures['mfu']:.1f}%")
         parts.append(f"peak {figures['peak_bytes'] / 1e9:.1f} GB")
+        if figures.get("sdpa_kernel"):
+            parts.append(f"SDPA kernel {figures['sdpa_kernel']}")
     return ", ".join(parts)
 
 
@@ -294,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for step in plan_steps(gpus):
         if args.only and step.name not in args.only:
+            continue
+        why = unavailable(step)
+        if why:
+            results.append(StepResult(step.name, step.what, "skipped", note=why))
             continue
         print(f"gpu-check: {step.name} ({step.what}) ...", flush=True)
         results.append(run_step(step, output_dir, args.step_timeout))

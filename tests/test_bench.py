@@ -4,13 +4,14 @@ Nothing here asserts on speed: only that the numbers exist, are positive and han
 """
 
 import json
+import logging
 import math
 
 import pytest
 import torch
 
 from distill.bench import cli, measures, setup
-from distill.bench.settings import SMALL_EXPERT, BenchSettings
+from distill.bench.settings import A14B_EXPERT, SMALL_EXPERT, BenchSettings
 
 
 def _positive_summary(summary: dict, keys=("median", "p10", "p90")) -> None:
@@ -100,7 +101,7 @@ def test_presets_and_overrides_parse():
     settings, path = cli.parse_args(
         [
             "--preset",
-            "gpu-1.3b",
+            "gpu-1.3b-pictures",
             "--teacher_layers",
             "2",
             "--no-compile",
@@ -171,7 +172,7 @@ def test_teacher_cast_matches_from_pretrained(tmp_path):
 def test_gpu_preset_at_reduced_size(teacher_on_cpu):
     argv = [
         "--preset",
-        "gpu-1.3b",
+        "gpu-1.3b-pictures",
         "--teacher_layers",
         "1",
         "--student_layers",
@@ -244,3 +245,139 @@ def test_plan_check_puts_the_plan_beside_a_real_run(tmp_path, capsys):
     if not torch.cuda.is_available():  # the CUDA default says what to run instead
         assert plan_check.main([]) == 0
         assert "--device cpu --small" in capsys.readouterr().out
+
+
+def test_the_presets_name_and_have_the_shapes_users_train(caplog):
+    """81 frames at 480x832 and 720x1280, one sample, checkpointed; the old one-frame name still works."""
+    tokens = {"480p": 32_760, "720p": 75_600}
+    for size, (height, width) in {"480p": (480, 832), "720p": (720, 1280)}.items():
+        student, lora, teacher = (
+            cli.parse_args(["--preset", f"gpu-{what}-{size}-81"])[0]
+            for what in ("1.3b", "a14b-lora", "teacher")
+        )
+        for s in (student, lora, teacher):
+            assert (s.height, s.width, s.num_frames, s.batch_size, s.dtype) == (
+                height,
+                width,
+                81,
+                1,
+                "bfloat16",
+            )
+            shape = setup.latent_shape(s.height, s.width, s.num_frames)
+            assert setup.tokens_per_sample(A14B_EXPERT, shape) == tokens[size]
+        assert (student.workload, student.teacher_layers, student.gradient_checkpointing) == (
+            "distill",
+            4,
+            True,
+        )
+        assert student.student == "config/student_config.json"
+        # the LoRA step: one whole 40-layer expert, rank 64, checkpointed; the teacher: the whole expert
+        assert (lora.workload, lora.teacher, lora.teacher_layers, lora.lora_rank) == (
+            "lora",
+            A14B_EXPERT,
+            None,
+            64,
+        )
+        assert lora.gradient_checkpointing and A14B_EXPERT["num_layers"] == 40
+        assert (teacher.workload, teacher.teacher_layers, teacher.gradient_checkpointing) == (
+            "teacher",
+            None,
+            False,
+        )
+    with caplog.at_level(logging.WARNING):
+        old = cli.parse_args(["--preset", "gpu-1.3b"])[0]
+    assert old == cli.parse_args(["--preset", "gpu-1.3b-pictures"])[0] and old.num_frames == 1
+    assert "gpu-1.3b is now called gpu-1.3b-pictures" in caplog.text
+
+
+def test_the_flop_count_holds_attention_as_counted_by_hand():
+    """Attention is the only part of a forward quadratic in the tokens: its second difference in the
+    token count is 2 x (4 x heads x head_dim) a block, and at 81 frames it is most of the 1.3B's work."""
+    student = {**A14B_EXPERT, **{k: v for k, v in cli_student_config().items() if k in A14B_EXPERT}}
+    layers, heads, head_dim = (
+        student["num_layers"],
+        student["num_attention_heads"],
+        student["attention_head_dim"],
+    )
+    assert (layers, heads, head_dim) == (30, 12, 128)
+    f = lambda n: measures.forward_flops(student, n, 512)  # noqa: E731
+    n = 1000
+    assert f(n + 1) - 2 * f(n) + f(n - 1) == 2 * layers * 4 * heads * head_dim
+    # 480x832x81: 32,760 tokens; self-attention 4 * S^2 * heads * head_dim and cross-attention to 512
+    # text tokens 4 * S * 512 * heads * head_dim per block, forward
+    s = 32_760
+    attention = layers * (4 * s * s * heads * head_dim + 4 * s * 512 * heads * head_dim)
+    assert attention == 30 * (6_593_848_934_400 + 103_054_049_280)
+    assert 0.65 < attention / f(s) < 0.75  # "about 70% of the 1.3B student's FLOPs"
+    # the bench's student step counts it three times (forward, backward = 2 x forward), per sample
+    settings = cli.parse_args(["--preset", "gpu-1.3b-480p-81"])[0]
+    assert settings.batch_size == 1 and 3 * f(s) > 3 * attention
+
+
+def cli_student_config() -> dict:
+    return json.loads((setup.REPO / "config" / "student_config.json").read_text())
+
+
+TINY_EXPERT = {**SMALL_EXPERT, "num_layers": 2, "num_attention_heads": 2, "ffn_dim": 64, "text_dim": 32}
+
+
+@pytest.mark.parametrize("workload", ["lora", "teacher"])
+def test_one_model_alone_lora_step_and_teacher_forward(workload, capsys):
+    """The LoRA and teacher presets' bench on the CPU at a tiny size: every figure there, the FLOPs those
+    of the run plan (attention included), the adapters alone trained."""
+    from distill.bench.model_step import format_model_step
+    from distill.bench.run import run_bench
+    from distill.train.flops import model_flops
+
+    settings = BenchSettings(
+        preset="tiny-" + workload,
+        teacher=TINY_EXPERT,
+        workload=workload,
+        lora_rank=4,
+        batch_size=1,
+        height=32,
+        width=32,
+        num_frames=5,
+        text_len=16,
+        steps=2,
+        warmup=1,
+        gradient_checkpointing=workload == "lora",
+        attention_backend="native",
+    )
+    result = run_bench(settings)
+    model, flops, memory = result["models"]["model"], result["flops"], result["memory"]
+    assert (
+        result["workload"] == workload and result["step"]["median_ms"] > 0 and result["steps"]["timed"] == 2
+    )
+    shape = tuple(result["models"]["latent_shape"])
+    plan = model_flops(
+        TINY_EXPERT, shape, 16, "lora" if workload == "lora" else "none", 4, setup_lora_targets()
+    )
+    if workload == "lora":
+        assert 0 < model["trained_params"] < model["params"]
+        assert memory["optimizer_state_bytes"] >= 2 * 4 * model["trained_params"]  # AdamW's two fp32 moments
+        assert flops["per_step"] == plan.forward + plan.backward < flops["per_step_with_recompute"]
+    else:
+        assert model["trained_params"] == 0 and memory["optimizer_state_bytes"] == 0
+        assert flops["per_step"] == 2 * plan.forward  # cond + uncond
+    assert 0 < flops["attention_share_of_forward"] < 1 and flops["mfu"] is None  # no peak known for a CPU
+    assert "sdpa_kernel" not in result["environment"]  # the probe is for CUDA only
+    assert "attention backend: native" in format_model_step(result)
+
+
+def setup_lora_targets() -> tuple:
+    from distill.config.settings import LORA_TARGETS
+
+    return LORA_TARGETS
+
+
+def test_the_bench_refuses_an_attention_backend_as_the_trainer_does():
+    from distill.ops.errors import DistillError
+
+    with pytest.raises(DistillError, match="--attention_backend _native_cudnn needs CUDA"):
+        cli.parse_args(["--preset", "cpu-tiny", "--attention_backend", "_native_cudnn"])
+    assert (
+        cli.parse_args(["--preset", "cpu-tiny", "--attention_backend", "native"])[0].attention_backend
+        == "native"
+    )
+    assert cli.parse_args(["--preset", "cpu-tiny"])[0].attention_backend is None

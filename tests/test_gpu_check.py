@@ -3,6 +3,7 @@ it would run on one and on two GPUs, and the table and JSON it makes from steps 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from distill.gpu_check import (
     run_step,
     skipped_steps,
     summary,
+    unavailable,
 )
 
 
@@ -53,19 +55,37 @@ def test_an_unknown_step_is_refused_with_the_list(capsys):
 
 def test_two_gpus_add_the_nccl_step_and_every_step_runs_something_real():
     one, two = ([step.name for step in plan_steps(n)] for n in (1, 2))
-    assert one == ["gpu-tests", "bench-eager", "bench-compiled", "teacher-streamed-81"]
+    clips = ["clip-eager", "clip-compiled", "lora-81", "teacher-81"]
+    backends = ["attention-native_cudnn", "attention-native_flash", "attention-flash", "attention-flex"]
+    assert one == ["gpu-tests", "bench-eager", "bench-compiled", *clips, *backends, "teacher-streamed-81"]
     assert two == ["gpu-tests", "sharded-lora-nccl", *one[1:]]
     assert [r.name for r in skipped_steps(1)] == ["sharded-lora-nccl"] and skipped_steps(2) == []
     assert skipped_steps(1)[0].status == "skipped" and "needs 2 GPUs" in skipped_steps(1)[0].note
     steps = {step.name: step for step in plan_steps(2)}
     # The bench steps are command lines distill.bench accepts, with the settings each promises.
     bench = [step for step in steps.values() if step.reads == "bench"]
-    settings = {step.name: bench_cli.parse_args(list(step.args[2:]))[0] for step in bench}
-    assert {s.preset for s in settings.values()} == {"gpu-1.3b"} and settings["bench-compiled"].compile
+    settings = {
+        step.name: bench_cli.parse_args(list(step.args[2:]))[0] for step in bench if not unavailable(step)
+    }
+    assert {settings[name].preset for name in ("bench-eager", "bench-compiled")} == {"gpu-1.3b-pictures"}
+    assert settings["bench-compiled"].compile and not settings["bench-eager"].teacher_on_cpu
     streamed = settings["teacher-streamed-81"]
-    assert (
-        streamed.teacher_on_cpu and streamed.num_frames == 81 and not settings["bench-eager"].teacher_on_cpu
-    )
+    assert streamed.teacher_on_cpu and streamed.num_frames == 81 and streamed.batch_size == 1
+    for name in ("clip-eager", "clip-compiled", "lora-81", "teacher-81"):
+        assert (settings[name].height, settings[name].width, settings[name].num_frames) == (480, 832, 81)
+    assert settings["clip-compiled"].compile and settings["clip-eager"].attention_backend is None
+    assert (settings["lora-81"].workload, settings["teacher-81"].workload) == ("lora", "teacher")
+    for name in backends:  # each at the clip shape, under its own backend (flex compiled)
+        step = steps[name]
+        assert (
+            step.backend
+            and step.args[3] == "gpu-1.3b-480p-81"
+            and ("--compile" in step.args) == (name == "attention-flex")
+        )
+    # A backend whose package is missing is skipped with what to install, not run to fail.
+    if importlib.util.find_spec("flash_attn") is None:
+        assert "flash-attn" in unavailable(steps["attention-flash"])
+    assert unavailable(steps["attention-native_cudnn"]) == "" and unavailable(steps["clip-eager"]) == ""
     # The test steps name test files that exist; the NCCL one is left out of `-m gpu` and run on its own.
     nccl = REPO / gpu_check.TWO_GPU_TEST
     assert nccl.is_file() and str(nccl) in steps["sharded-lora-nccl"].args
@@ -131,3 +151,22 @@ def test_a_step_that_overruns_is_stopped_and_failed(tmp_path):
     result = run_step(step, tmp_path, timeout_s=1)
     assert isinstance(result, StepResult) and result.status == "failed" and "stopped after 1 s" in result.note
     assert result.seconds < 20
+
+
+def test_a_model_alone_row_reads_its_step_and_the_sdpa_kernel(tmp_path):
+    """The LoRA and teacher rows come from distill.bench.model_step's JSON: a step, no trainer."""
+    from distill.bench.run import run_bench
+    from distill.bench.settings import SMALL_EXPERT, BenchSettings
+
+    tiny = {**SMALL_EXPERT, "num_layers": 1, "num_attention_heads": 2, "ffn_dim": 32, "text_dim": 16}
+    settings = BenchSettings(
+        preset="t", teacher=tiny, workload="teacher", batch_size=1, text_len=8, steps=1, warmup=0
+    )
+    path = tmp_path / "teacher.json"
+    path.write_text(json.dumps(run_bench(settings)))
+    figures = gpu_check.read_bench(path)
+    assert figures["step_ms"] > 0 and figures["mfu"] is None and figures["sdpa_kernel"] is None
+    assert gpu_check.describe({**figures, "sdpa_kernel": "cudnn"}).startswith(
+        f"step {figures['step_ms']:.1f} ms"
+    )
+    assert "SDPA kernel cudnn" in gpu_check.describe({**figures, "sdpa_kernel": "cudnn"})

@@ -2,8 +2,11 @@
 
     python -m distill.bench --preset cpu-tiny  --json outputs/bench/cpu-tiny.json
     python -m distill.bench --preset cpu-small --json outputs/bench/cpu-small.json   # ~1 min, 2 CPU cores
-    python -m distill.bench --preset gpu-1.3b  --json outputs/bench/gpu-1.3b.json    # CUDA
-    python -m distill.bench --preset gpu-1.3b  --teacher_on_cpu --json outputs/bench/gpu-1.3b-offload.json
+    python -m distill.bench --preset gpu-1.3b-pictures --json outputs/bench/gpu-1.3b-pictures.json  # CUDA
+    python -m distill.bench --preset gpu-1.3b-480p-81 [--attention_backend _native_cudnn]
+    python -m distill.bench --preset gpu-a14b-lora-480p-81     # one whole A14B expert, rank-64 LoRA
+    python -m distill.bench --preset gpu-teacher-720p-81       # the teacher's guided forward alone
+    python -m distill.bench --preset gpu-1.3b-pictures --teacher_on_cpu
     python -m distill.bench --preset gpu-14b-slice --json outputs/bench/gpu-14b-slice.json
 
 Any preset setting can be overridden: --steps --warmup --block --batch_size --height --width
@@ -26,14 +29,19 @@ embeddings. It measures:
   forward, loss backward, optimizer), each synchronised before and after; "other" is the rest;
 - memory: peak CPU RSS, CUDA max allocated/reserved, and the floor (student params + grads +
   AdamW state + teacher weights where they are placed);
-- FLOPs: matmul FLOPs of both models counted from their shapes (backward = 2 x forward, no
-  recomputation), achieved FLOP/s and, on CUDA, MFU against the device's dense bf16 peak;
+- FLOPs: matmul FLOPs of both models counted from their shapes, attention's two products included
+  (4 x tokens^2 x width a self-attention; backward = 2 x forward, no recomputation), achieved
+  FLOP/s and, on CUDA, MFU against the device's dense bf16 peak;
 - with --teacher_on_cpu on CUDA: the streamed teacher's forward against a GPU-resident copy.
 
 Presets: cpu-tiny is the project's tiny teacher (distill.models.tiny) with config/student_tiny.json;
-cpu-small is sized so compute dominates on 2 CPU cores; gpu-1.3b is a Wan2.1-1.3B-shaped student
+cpu-small is sized so compute dominates on 2 CPU cores; gpu-1.3b-pictures (one frame a sample; the
+old name gpu-1.3b still works) is a Wan2.1-1.3B-shaped student
 (config/student_config.json) under a teacher of the real A14B width (40 heads x 128, ffn 13824,
-text 4096) cut to --teacher_layers blocks, bf16; gpu-14b-slice trains a student of that width too.
+text 4096) cut to --teacher_layers blocks, bf16; gpu-1.3b-480p-81 and gpu-1.3b-720p-81 run it on one
+81-frame clip, checkpointed; gpu-14b-slice trains a student of that width too. The LoRA presets
+(gpu-a14b-lora-*-81) and the teacher presets (gpu-teacher-*-81) time one model alone, with no trainer
+around it (distill.bench.model_step): one whole 40-layer expert.
 """
 
 from __future__ import annotations
@@ -45,9 +53,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from distill.bench.model_step import format_model_step
 from distill.bench.run import run_bench
-from distill.bench.settings import PRESETS, BenchSettings
+from distill.bench.settings import ALIASES, PRESETS, BenchSettings
 from distill.bench.table import format_table
+from distill.models.attention_backend import check_backend
 from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.paths import Kind, PathFlag, check_paths
 
@@ -60,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchSettings, Path | Non
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
+    parser.add_argument("--preset", choices=sorted([*PRESETS, *ALIASES]), default="cpu-small")
     parser.add_argument(
         "--json",
         type=Path,
@@ -97,8 +107,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchSettings, Path | Non
         "--critic_updates", type=integer(1), help="dmd: critic updates per generator update (5)"
     )
     parser.add_argument("--student_steps", type=integer(1), help="dmd: the student's sampling steps K (4)")
+    parser.add_argument("--lora_rank", type=integer(1), help="LoRA presets: the adapters' rank (64)")
+    parser.add_argument(
+        "--attention_backend",
+        metavar="NAME",
+        help="diffusers' attention backend of every model (native, _native_cudnn, _native_flash, flash, "
+        "flex, ...); left out, SDPA picks its kernel",
+    )
     args = vars(parser.parse_args(argv))
     preset, json_path = args.pop("preset"), args.pop("json")
+    if preset in ALIASES:
+        logger.warning("--preset %s is now called %s (one frame a sample)", preset, ALIASES[preset])
+        preset = ALIASES[preset]
     overrides = {key: value for key, value in args.items() if value is not None}
     preset_values = dict(PRESETS[preset])
     if overrides.get("method") == "dmd":
@@ -118,6 +138,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchSettings, Path | Non
             )
     if settings.num_frames % 4 != 1:
         parser.error(f"--num_frames must be 4k+1 (1, 5, 9, ...), got {settings.num_frames}")
+    # The trainer's own rules; a teacher-forward bench may time a kernel that only samples.
+    check_backend(
+        settings.attention_backend,
+        settings.device,
+        training=settings.workload != "teacher",
+        half_precision=settings.dtype == "bfloat16",
+    )
     return settings, json_path
 
 
@@ -129,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Before the benchmark runs, not after: a bad --json would throw its minutes away.
     check_paths([PathFlag("--json", json_path, Kind.OUTPUT_FILE, example="bench.json")])
     result = run_bench(settings)
-    print(format_table(result))
+    print(format_table(result) if settings.workload == "distill" else format_model_step(result))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")

@@ -23,10 +23,15 @@ from distill.bench.measures import (
 from distill.bench.settings import BenchSettings
 from distill.bench.setup import Setup, build_setup
 from distill.bench.timing import interleaved, phase_pass, summary_ms
+from distill.models.attention_backend import sdpa_choice
 
 
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
     """Build, warm up, time both loops interleaved, time the phases, and report."""
+    if settings.workload != "distill":  # one model alone: no trainer to compare
+        from distill.bench.model_step import run_model_step
+
+        return run_model_step(settings)
     started = time.perf_counter()
     if settings.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"preset {settings.preset} needs CUDA, and torch sees no GPU")
@@ -80,10 +85,19 @@ def report(
     s = setup.settings
     trainer = loop_summary(trainer_times, s.batch_size)
     bare = loop_summary(bare_times, s.batch_size)
+    env = environment(setup.device)
+    tokens, dtype = setup.tokens_per_sample, torch.bfloat16 if s.dtype == "bfloat16" else torch.float32
+    if setup.device.type == "cuda" and s.attention_backend in (None, "native"):
+        # which kernel SDPA runs for the student, whose attention dominates at 81 frames
+        config = setup.student_config
+        env["sdpa_kernel"] = sdpa_choice(
+            config["num_attention_heads"], tokens, config["attention_head_dim"], dtype, setup.device
+        )
     return {
         "preset": s.preset,
+        "workload": s.workload,
         "settings": dataclasses.asdict(s),
-        "environment": environment(setup.device),
+        "environment": env,
         "models": model_summary(setup),
         "steps": {
             "warmup": s.warmup,

@@ -23,6 +23,7 @@ from distill.bench.settings import (
 )
 from distill.config.settings import TrainConfig
 from distill.data.dataset import DistillationDataset
+from distill.models.attention_backend import apply_backend
 from distill.models.guided_teacher import GuidedTeacher
 from distill.models.student import build_student
 from distill.models.student_config import TEACHER_SHARED_KEYS, load_student_config
@@ -199,6 +200,8 @@ def build_setup(settings: BenchSettings, output_dir: Path) -> Setup:
     loop = TrainingLoop(
         train_config(settings, output_dir), run, student, teacher, dataset, negative, output_dir, extra
     )
+    for model in (high, low, student, *extra.values()):
+        apply_backend(model, settings.attention_backend)
     if settings.compile:
         for model in extra.values():
             model.compile_repeated_blocks()

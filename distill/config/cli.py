@@ -128,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
             )
         else:
             parser.add_argument(
-                *flags, type=base, choices=f.metadata["choices"], help=help_text, metavar=None
+                *flags,
+                type=base,
+                choices=f.metadata["choices"],
+                help=help_text,
+                metavar=f.metadata.get("metavar"),
             )
     return parser
 

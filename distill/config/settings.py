@@ -225,6 +225,15 @@ class TrainConfig:
     weight_decay: float = _opt(0.0, "AdamW weight decay.")
     max_grad_norm: float = _opt(1.0, "Clip gradients to this global norm (0 disables clipping).")
     mixed_precision: str = _opt("no", "Autocast for the student.", ("no", "bf16", "fp16"))
+    attention_backend: str | None = _opt(
+        None,
+        "Attention kernel of the student, critic and teacher experts, by diffusers' dispatcher name: native, "
+        "_native_cudnn, _native_flash, _native_efficient, _native_math, flex, flash (flash-attn), ... "
+        "Left out: SDPA picks its kernel (on CUDA the run logs which). Backends that cannot train, need "
+        "missing hardware or packages, or cannot be split by --sequence_parallel are refused. Not part of "
+        "the student: sampling is the same under any backend, up to kernel rounding.",
+        metavar="NAME",
+    )
     ema_decay: float = _opt(
         0.0, "Keep an EMA of the student with this decay (0 disables), exported as student_ema/."
     )
@@ -447,9 +456,32 @@ class TrainConfig:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise config_error("device", f"unknown device {self.device!r}", "use auto, cpu, cuda or cuda:N")
         self._validate_not_negative()
+        self._validate_attention_backend()
         # Paths last, by kind only (a stat each, nothing written): a file where a folder goes fails
         # here, before the teacher is read; Distiller proves the output folders writable.
         check_paths(self.path_flags(), probe=False)
+
+    def _validate_attention_backend(self) -> None:
+        """A backend that cannot train on this run's device, precision or --sequence_parallel is refused
+        before the teacher is read. Attention runs in half precision only if both the student does
+        (autocast, or a LoRA student on bf16 experts) and the teacher (its dtype, auto = bf16 on CUDA)."""
+        if self.attention_backend is None:
+            return
+        import torch
+
+        from distill.models.attention_backend import check_backend
+
+        cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        teacher_half = self.teacher_dtype in ("bfloat16", "float16") or (
+            self.teacher_dtype == "auto" and cuda
+        )
+        student_half = self.mixed_precision != "no" or bool(self.student_lora_rank)
+        check_backend(
+            self.attention_backend,
+            "cuda" if cuda else "cpu",
+            half_precision=student_half and teacher_half,
+            sequence_parallel=self.sequence_parallel,
+        )
 
     def _validate_not_negative(self) -> None:
         """No number setting means anything below 0 (a seed, a weight, a rate, a shift): those without

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from distill.models.attention_backend import has_backend, process_default_kept
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,8 +49,12 @@ def enable_context_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> int:
         if not isinstance(module, WanTransformer3DModel) or module._parallel_config is not None:
             continue
         # The backend that has a backward under Ulysses and runs everywhere (SDPA); set on the model,
-        # not globally, so a user's own backend choice elsewhere is untouched.
-        module.set_attention_backend("native")
+        # not as the process default (which set_attention_backend also changes), so a user's own
+        # backend choice elsewhere is untouched. One set by --attention_backend is kept (it was
+        # checked to split: distill.models.attention_backend).
+        if not has_backend(module):
+            with process_default_kept():
+                module.set_attention_backend("native")
         with _one_device_on_cpu_builds():
             module.enable_parallelism(config=ContextParallelConfig(ulysses_degree=mesh.size(), mesh=mesh))
         split += 1
