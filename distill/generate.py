@@ -16,8 +16,9 @@ guidance it samples with and the max_sequence_length it was trained with (the pr
 changes the output). A size the model cannot handle is refused before anything loads. Prompt i starts from the noise of seed `--seed + i`,
 the same noise as `WanPipeline(..., generator=torch.Generator("cpu").manual_seed(seed + i))`.
 A few-step (dmd) student samples with its run's K-step scheduler (in run_settings.json), K steps,
-guidance 1; that scheduler re-noises from the global RNG, so prompt i is what the stock pipeline
-gives after `torch.manual_seed(seed + i)` with no generator (= distill.models.few_step.sample_few_step).
+guidance 1; its re-noising is drawn from prompt i's CPU stream too, so prompt i is the same sample on
+any device, and on the CPU what the stock pipeline gives after `torch.manual_seed(seed + i)` with no
+generator (= distill.models.few_step.sample_few_step).
 
 A Wan2.2-TI2V-5B student samples in the mode its run distilled (text, or image to video: its
 run_settings.json records the pipeline); an image for a text-mode student, or none for an image-mode
@@ -43,6 +44,7 @@ folder: --output is a folder that receives prompt_00.png, prompt_01.png, ... (cl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -57,6 +59,7 @@ from distill.config.flag_rules import (
     given_where,
     second_expert_guidance,
 )
+from distill.models.few_step import renoising_from
 from distill.models.lora_files import is_lora_folder, lora_files
 from distill.models.pipelines import (
     check_sample_size,
@@ -378,14 +381,16 @@ def render(
     if image is not None:
         extra["image"] = image
     generator = torch.Generator("cpu").manual_seed(seed)
-    if getattr(pipe.scheduler.config, "stochastic_sampling", False):
-        # A few-step student's scheduler re-noises at every step from the global RNG (WanPipeline
-        # gives scheduler.step no generator): seed that, and draw the start from the same stream,
-        # as distill.models.few_step.sample_few_step(..., seed) does. A CPU generator for the start would
-        # repeat its draw as the first re-noising.
-        torch.manual_seed(seed)
-        generator = None
-    with preprocessed_images(pipe, image is not None):
+    # A few-step student's scheduler re-noises at every step; the stock pipeline would draw that from
+    # the device's global RNG (it gives scheduler.step no generator). It draws from the start's CPU
+    # stream instead, as distill.models.few_step.sample_few_step(..., seed) does: the same sample on
+    # every device, and on the CPU the stock pipeline's after torch.manual_seed(seed).
+    renoising = (
+        renoising_from(pipe.scheduler, generator)
+        if getattr(pipe.scheduler.config, "stochastic_sampling", False)
+        else contextlib.nullcontext()
+    )
+    with preprocessed_images(pipe, image is not None), renoising:
         return pipe(
             prompt=prompt,
             negative_prompt=args.negative_prompt,

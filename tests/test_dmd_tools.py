@@ -179,12 +179,17 @@ def test_generate_samples_a_dmd_student_with_its_k_step_scheduler(dmd_run, tmp_p
     pipe = generate.build_pipeline(args, info, CPU, torch.float32, found[0])
     assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
     assert pipe.scheduler.config.stochastic_sampling
+    global_rng = torch.get_rng_state()
     latent = generate.render(pipe, args, PROMPTS[0], 7, output_type="latent")
+    # Every draw, the start and each re-noising, came from the seed's CPU generator: the global RNG
+    # (on a GPU, the device's own, whose numbers differ) was not touched, so any device gets these.
+    assert torch.equal(torch.get_rng_state(), global_rng)
+    assert "step" not in vars(pipe.scheduler)  # the stock step again after the sample
     torch.randn(100)  # other use of the global RNG in between changes nothing
     again = generate.render(pipe, args, PROMPTS[0], 7, output_type="latent")
     assert torch.equal(latent, again)
-    # Exactly the project's K-step rollout for seed 7 (the same the stock pipeline gives after
-    # torch.manual_seed(7)); another seed differs.
+    # Exactly the project's K-step rollout for seed 7 (the same the stock pipeline gives on the CPU
+    # after torch.manual_seed(7)); another seed differs.
     embeds, _ = pipe.encode_prompt(PROMPTS[0], do_classifier_free_guidance=False, max_sequence_length=512)
     ours = sample_few_step(pipe.transformer, pipe.scheduler, 4, embeds, tuple(latent.shape), seed=7)[0]
     assert torch.allclose(latent.float(), ours, atol=1e-6), (latent - ours).abs().max()

@@ -95,6 +95,25 @@ def test_two_dmd_steps_on_cuda_in_bf16_train_the_generator_and_the_critic(tiny_t
     assert (result.student_dir / "scheduler_config.json").is_file()
 
 
+def test_generate_draws_a_few_step_students_sample_on_cuda_as_on_the_cpu(tiny_teacher, tmp_path):
+    """A dmd student's stochastic sampler re-noises from the seed's CPU stream, not the device's RNG:
+    the same seed gives the same latent on CUDA as on the CPU (float32 on both)."""
+    from distill import generate
+
+    args = train_args(
+        tiny_teacher, tmp_path / "dmd", tmp_path / "cache", method="dmd", height=32, width=32, num_steps=1
+    )
+    student = Distiller(parse_config(args)).run().student_dir
+    latents = {}
+    for device in ("cpu", "cuda"):
+        argv = ["--student", str(student), "--prompt", "a red bar", "--output", "unused.png"]
+        argv += ["--device", device, "--dtype", "float32"]
+        parsed = generate.build_parser().parse_args(argv)
+        pipe, prompts, _, _ = generate.prepare(parsed)
+        latents[device] = generate.render(pipe, parsed, prompts[0], 3, output_type="latent").float().cpu()
+    torch.testing.assert_close(latents["cuda"], latents["cpu"], rtol=1e-3, atol=1e-3)
+
+
 def test_local_rank_beyond_the_visible_gpus_is_explained(tiny_teacher, tmp_path):
     count = torch.cuda.device_count()
     env = {

@@ -15,12 +15,16 @@ generator:
     torch.manual_seed(s)
     pipe(prompt_embeds=..., num_inference_steps=K, guidance_scale=1.0, output_type="latent")
 
-(on a GPU the stock pipeline draws from the GPU's own generator, whose numbers differ).
+On a GPU the stock pipeline would draw from the GPU's own generator, whose numbers differ;
+`distill.generate` passes the pipeline a CPU generator and re-noises from it too (`renoising_from`),
+which gives these numbers on every device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +174,23 @@ def sample_few_step(
         x = noise.to(device, torch.float32).reshape(x.shape)
     condition = condition.to(device) if condition is not None else None
     return rollout(student, x, cond, timesteps, sigmas, draw, kind=kind, condition=condition).float()
+
+
+@contextlib.contextmanager
+def renoising_from(scheduler: Any, generator: torch.Generator) -> Iterator[None]:
+    """Within the block, `scheduler.step` re-noises from `generator` (a CPU one).
+
+    Stock pipelines call `scheduler.step` without a generator, so a stochastic scheduler draws its
+    re-noising from the global RNG of the latents' device: the same seed gave another sample on a
+    GPU than on the CPU. diffusers' `randn_tensor` draws on the CPU when given a CPU generator and
+    moves the numbers, so with one stream for the start and the re-noising a seed gives the sample
+    `sample_few_step` gives, on any device (on the CPU, bit for bit what the global RNG seeded the
+    same way gave)."""
+    scheduler.step = functools.partial(type(scheduler).step, scheduler, generator=generator)
+    try:
+        yield
+    finally:
+        del scheduler.step  # the instance attribute: the class's method shows again
 
 
 def load_few_step_scheduler(student_dir: str | Path) -> Any | None:
