@@ -102,3 +102,30 @@ def test_the_dry_run_plan_of_a_split_720p_recipe_prints_the_traffic():
     assert "5.0 s at an assumed 225 GB/s" in line and "against 137.6 s of compute per step (3.6%" in line, (
         line
     )
+
+
+def test_the_docs_give_the_traffic_the_plan_gives_for_the_720p_recipes():
+    """docs/recipes.md's 720p table and docs/multi-gpu.md quote the plan's all-to-all figures."""
+    from test_recipes import TEACHERS, planned
+
+    table = (REPO / "docs" / "recipes.md").read_text()
+    guide = " ".join((REPO / "docs" / "multi-gpu.md").read_text().split())  # lines joined
+    for recipe in sorted((REPO / "config" / "recipes").glob("*720p*.yaml")):
+        _, cfg, _, cost, _ = planned(recipe)
+        info = next(info for name, info in TEACHERS.items() if name in cfg.teacher_path)
+        if cfg.student_lora_rank:
+            student = critic = info.expert_config
+        else:
+            student = load_student_config(REPO / cfg.student_config, info.expert_config)
+            critic = load_student_config(REPO / (cfg.critic_config or cfg.student_config), info.expert_config)
+            critic = critic if cfg.method == "dmd" else None
+        traffic = step_traffic(cfg, info, student, critic, cost, torch.bfloat16)
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{recipe.stem}` |"))
+        cell = row.rstrip(" |").rsplit("|", 1)[1].strip()
+        if cfg.sequence_parallel == 1:
+            assert traffic.bytes == 0 and cell == "none", row
+            continue
+        figures = f"{traffic.bytes / 1e9:.1f} GB: {traffic.seconds:.1f} s of {traffic.compute_seconds:.1f} s"
+        assert cell == figures, f"{recipe.stem}: the plan gives {figures}"
+        if recipe.stem.startswith("a14b-"):  # the guide quotes the T2V ones
+            assert f"{traffic.bytes / 1e9:.1f} GB" in guide and f"{traffic.compute_seconds:.1f} s" in guide
