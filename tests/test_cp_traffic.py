@@ -18,9 +18,11 @@ from distill.train.cost import RunCounts, run_cost
 from distill.train.cp_traffic import (
     ALL_TO_ALL_BYTES_PER_S,
     MovedBytes,
+    StepTraffic,
     model_traffic,
     moved_bytes,
     step_traffic,
+    traffic_lines,
 )
 from distill.train.plan_parallel import at_degree, run_plan
 
@@ -129,3 +131,11 @@ def test_the_docs_give_the_traffic_the_plan_gives_for_the_720p_recipes():
         assert cell == figures, f"{recipe.stem}: the plan gives {figures}"
         if recipe.stem.startswith("a14b-"):  # the guide quotes the T2V ones
             assert f"{traffic.bytes / 1e9:.1f} GB" in guide and f"{traffic.compute_seconds:.1f} s" in guide
+
+
+def test_a_toy_runs_traffic_reads_in_its_own_units():
+    """A tiny model sends kilobytes in nanoseconds: the line says so rather than 0.0 GB in 0.0 s."""
+    (line,) = traffic_lines(StepTraffic(bytes=2304.0, compute_seconds=0.02, degree=2))
+    assert "2.3 kB sent per rank per step: 1e-08 s at an assumed 225 GB/s" in line, line
+    assert "against 0.02 s of compute per step (0.0%" in line, line
+    assert traffic_lines(StepTraffic(bytes=0.0, compute_seconds=1.0, degree=1)) == []

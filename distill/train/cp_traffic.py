@@ -155,15 +155,27 @@ def step_traffic(
     return StepTraffic(per_step, compute, degree)
 
 
+def _bytes_text(n: float) -> str:
+    # A toy run sends kilobytes: "0.0 GB" would say nothing.
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _seconds_text(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds >= 0.1 else f"{seconds:.2g} s"
+
+
 def traffic_lines(traffic: StepTraffic) -> list[str]:
     """The plan's lines on the all-to-all traffic (none without sequence parallel)."""
     if traffic.degree <= 1:
         return []
     share = traffic.seconds / traffic.compute_seconds if traffic.compute_seconds else math.inf
     return [
-        f"  all-to-all (--sequence_parallel {traffic.degree}, Ulysses): {traffic.bytes / 1e9:.1f} GB sent "
-        f"per rank per step: {traffic.seconds:.1f} s at an assumed {ALL_TO_ALL_BYTES_PER_S / 1e9:.0f} GB/s "
-        f"(NVLink 4's {NVLINK4_BYTES_PER_S / 1e9:.0f} GB/s per direction x {ALL_TO_ALL_EFFICIENCY:g}), "
-        f"against {traffic.compute_seconds:.1f} s of compute per step ({share:.1%}; diffusers waits for "
-        "each exchange, so it adds to the step)"
+        f"  all-to-all (--sequence_parallel {traffic.degree}, Ulysses): {_bytes_text(traffic.bytes)} sent "
+        f"per rank per step: {_seconds_text(traffic.seconds)} at an assumed "
+        f"{ALL_TO_ALL_BYTES_PER_S / 1e9:.0f} GB/s (NVLink 4's {NVLINK4_BYTES_PER_S / 1e9:.0f} GB/s per "
+        f"direction x {ALL_TO_ALL_EFFICIENCY:g}), against {_seconds_text(traffic.compute_seconds)} of "
+        f"compute per step ({share:.1%}; diffusers waits for each exchange, so it adds to the step)"
     ]
