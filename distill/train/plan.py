@@ -26,6 +26,7 @@ from distill.models.teacher import TeacherInfo, resolve_dtype
 from distill.ops.mesh import shard_group_size
 from distill.train.activations import ModelUse, no_grad_peak, parameter_count, stored_bytes, trained
 from distill.train.cost import RunCounts, cost_lines, run_cost, teacher_guided
+from distill.train.cp_traffic import step_traffic, traffic_lines
 
 GIB = 1024**3
 PLACEMENTS = ("gpu", "cpu", "shard")
@@ -456,4 +457,5 @@ def memory_plan(
             teacher_bytes(info, teacher_dtype)[0],
         )
         lines += cost_lines(cost, cfg, counts)
+        lines += traffic_lines(step_traffic(cfg, info, student_config, critic_config, cost, teacher_dtype))
     return "\n".join(lines)

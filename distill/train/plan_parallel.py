@@ -40,6 +40,64 @@ class DegreeFit:
     tried: tuple[int, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """What planning the run at another degree takes besides the degree: the run, its models, and the
+    ranks and placement it is planned for (the same at every degree tried)."""
+
+    cfg: TrainConfig
+    info: TeacherInfo
+    student_config: dict[str, Any]
+    critic_config: dict[str, Any] | None
+    device: torch.device
+    world_size: int
+    local_world_size: int
+    placement: str
+
+    def need(self, cfg: TrainConfig) -> float:
+        """Bytes per device of `cfg` (this run, or it at another degree) with these models and ranks."""
+        return estimate(
+            cfg,
+            self.info,
+            self.student_config,
+            self.device,
+            self.placement,
+            self.world_size,
+            self.critic_config,
+            self.local_world_size,
+        ).total
+
+    def usable_degrees(self) -> list[int]:
+        """The degrees above 1 the trainer accepts for this run, smallest first."""
+        tokens = tokens_of(self.cfg, self.info)
+        heads = [
+            int(config["num_attention_heads"])
+            for config in (self.info.expert_config, self.student_config, self.critic_config)
+            if config
+        ]
+        world, local = self.world_size, self.local_world_size
+        return [
+            d
+            for d in range(2, local + 1)
+            if not (world % d or local % d or tokens % d or any(h % d for h in heads))
+            # Sharded experts across several context groups are refused (check_placement).
+            and not (self.placement == "shard" and world // d > 1)
+        ]
+
+    def smallest_fitting_degree(self, capacity: float) -> DegreeFit:
+        """The smallest usable degree above the run's own whose plan fits `capacity` x HEADROOM bytes,
+        with --gradient_accumulation_steps raised so that the global batch stays the run's."""
+        tried = []
+        for degree in self.usable_degrees():
+            if degree <= self.cfg.sequence_parallel:
+                continue
+            tried.append(degree)
+            need = self.need(at_degree(self.cfg, degree))
+            if need <= capacity * HEADROOM:
+                return DegreeFit(degree, need, tuple(tried))
+        return DegreeFit(None, tried=tuple(tried))
+
+
 def usable_degrees(
     cfg: TrainConfig,
     info: TeacherInfo,
@@ -49,20 +107,11 @@ def usable_degrees(
     local_world_size: int,
     placement: str,
 ) -> list[int]:
-    """The degrees above 1 the trainer accepts for this run, smallest first."""
-    tokens = tokens_of(cfg, info)
-    heads = [
-        int(config["num_attention_heads"])
-        for config in (info.expert_config, student_config, critic_config)
-        if config
-    ]
-    return [
-        d
-        for d in range(2, local_world_size + 1)
-        if not (world_size % d or local_world_size % d or tokens % d or any(h % d for h in heads))
-        # Sharded experts across several context groups are refused (check_placement).
-        and not (placement == "shard" and world_size // d > 1)
-    ]
+    """The degrees above 1 the trainer accepts for this run, smallest first (the device plays no part)."""
+    inputs = PlanInputs(
+        cfg, info, student_config, critic_config, torch.device("cpu"), world_size, local_world_size, placement
+    )
+    return inputs.usable_degrees()
 
 
 def at_degree(cfg: TrainConfig, degree: int) -> TrainConfig:
@@ -83,54 +132,27 @@ def smallest_fitting_degree(
     placement: str,
     capacity: float,
 ) -> DegreeFit:
-    """The smallest usable degree above the run's own whose plan fits `capacity` x HEADROOM bytes, with
-    --gradient_accumulation_steps raised so that the global batch stays the run's."""
-    tried = []
-    for degree in usable_degrees(
-        cfg, info, student_config, critic_config, world_size, local_world_size, placement
-    ):
-        if degree <= cfg.sequence_parallel:
-            continue
-        tried.append(degree)
-        need = estimate(
-            at_degree(cfg, degree),
-            info,
-            student_config,
-            device,
-            placement,
-            world_size,
-            critic_config,
-            local_world_size,
-        ).total
-        if need <= capacity * HEADROOM:
-            return DegreeFit(degree, need, tuple(tried))
-    return DegreeFit(None, tried=tuple(tried))
+    """PlanInputs.smallest_fitting_degree of these inputs."""
+    inputs = PlanInputs(
+        cfg, info, student_config, critic_config, device, world_size, local_world_size, placement
+    )
+    return inputs.smallest_fitting_degree(capacity)
 
 
-def degree_line(
-    cfg: TrainConfig,
-    info: TeacherInfo,
-    student_config: dict[str, Any],
-    critic_config: dict[str, Any] | None,
-    device: torch.device,
-    world_size: int,
-    local_world_size: int,
-    placement: str,
-) -> list[str]:
-    """One line when `placement` does not fit the device: the degree that fits, or that none does."""
+def degree_line(inputs: PlanInputs) -> list[str]:
+    """One line when the placement does not fit the device: the degree that fits, or that none does."""
+    cfg, world_size, placement = inputs.cfg, inputs.world_size, inputs.placement
     if placement not in PLACEMENTS or world_size < 2:
         return []
+    device = inputs.device
     capacity = (
         torch.cuda.get_device_properties(device).total_memory
         if device.type == "cuda"
         else REFERENCE_GPU_BYTES
     )
-    args = (cfg, info, student_config, device, placement, world_size, critic_config, local_world_size)
-    if estimate(*args).total <= capacity * HEADROOM:
+    if inputs.need(cfg) <= capacity * HEADROOM:
         return []
-    fit = smallest_fitting_degree(
-        cfg, info, student_config, critic_config, device, world_size, local_world_size, placement, capacity
-    )
+    fit = inputs.smallest_fitting_degree(capacity)
     if fit.degree is None:
         tried = ", ".join(map(str, fit.tried)) or "none usable"
         return [
@@ -168,5 +190,7 @@ def run_plan(
     text = memory_plan(cfg, info, student_config, device, world, local_world, chosen, critic_config, counts)
     lines = text.splitlines()
     verdict = next(i for i, line in enumerate(lines) if line.startswith("fits "))
-    hint = degree_line(cfg, info, student_config, critic_config, device, world, local_world, chosen[0])
+    hint = degree_line(
+        PlanInputs(cfg, info, student_config, critic_config, device, world, local_world, chosen[0])
+    )
     return "\n".join([*lines[: verdict + 1], *hint, *lines[verdict + 1 :]])
