@@ -136,7 +136,7 @@ def unavailable(step: Step) -> str:
     """Why `step` cannot run on this machine's software ("" when it can): its backend's refusal."""
     if step.backend is None:
         return ""
-    from distill.models.attention_backend import check_backend
+    from distill.config.attention_backends import check_backend
     from distill.ops.errors import DistillError
 
     try:

@@ -9,6 +9,7 @@ import torch
 from conftest import train_args
 from safetensors.torch import load_file
 
+from distill.config import attention_backends as rules
 from distill.config.cli import parse_config
 from distill.models import attention_backend as ab
 from distill.models.tiny import TinyTeacherShape, build_tiny_pipeline
@@ -66,21 +67,21 @@ def test_the_default_and_native_are_accepted_and_the_backends_that_train_split_o
     assert parse_config([*args, "--attention_backend", "native"]).attention_backend == "native"
     # bf16 on CUDA: the kernels the issue compares pass every check but the package one
     for name in ("_native_cudnn", "_native_flash", "flex", "native"):
-        ab.check_backend(name, "cuda", half_precision=True)
-    assert ab.splits_context("_native_cudnn") and not ab.splits_context("flex")
-    assert set(ab.TRAINS) <= set(ab.known_backends())  # every name we accept is one diffusers knows
+        rules.check_backend(name, "cuda", half_precision=True)
+    assert rules.splits_context("_native_cudnn") and not rules.splits_context("flex")
+    assert set(rules.TRAINS) <= set(rules.known_backends())  # every name we accept is one diffusers knows
 
 
 def test_apply_backend_reaches_every_attention_and_leaves_the_process_default():
     pipe = build_tiny_pipeline(0, TinyTeacherShape(num_layers=1))
     model = torch.nn.ModuleDict({"high": pipe.transformer, "low": pipe.transformer_2})
     assert not ab.has_backend(model)
-    ab.apply_backend(model, None)  # the default: nothing set, SDPA picks
+    ab.apply_backend(None, model)  # the default: nothing set, SDPA picks
     assert not ab.has_backend(model)
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     default = _AttentionBackendRegistry._active_backend
-    ab.apply_backend(model, "_native_math")
+    ab.apply_backend("_native_math", model)
     backends = {m.processor._attention_backend for m in model.modules() if hasattr(m, "processor")}
     assert {str(getattr(b, "value", b)) for b in backends} == {"_native_math"} and ab.has_backend(model)
     # diffusers' setter also changes the process default; models without a backend keep SDPA's pick

@@ -57,7 +57,7 @@ from distill.bench.model_step import format_model_step
 from distill.bench.run import run_bench
 from distill.bench.settings import ALIASES, PRESETS, BenchSettings
 from distill.bench.table import format_table
-from distill.models.attention_backend import check_backend
+from distill.config.attention_backends import check_backend
 from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.paths import Kind, PathFlag, check_paths
 

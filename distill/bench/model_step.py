@@ -55,7 +55,7 @@ def build_step(
             model.enable_gradient_checkpointing()
         model.train()
         optimizer = torch.optim.AdamW(params, lr=1e-4)
-    apply_backend(model, settings.attention_backend)
+    apply_backend(settings.attention_backend, model)
     if settings.compile:
         model.compile_repeated_blocks()
     generator = torch.Generator().manual_seed(settings.seed)

@@ -201,7 +201,7 @@ def build_setup(settings: BenchSettings, output_dir: Path) -> Setup:
         train_config(settings, output_dir), run, student, teacher, dataset, negative, output_dir, extra
     )
     for model in (high, low, student, *extra.values()):
-        apply_backend(model, settings.attention_backend)
+        apply_backend(settings.attention_backend, model)
     if settings.compile:
         for model in extra.values():
             model.compile_repeated_blocks()

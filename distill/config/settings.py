@@ -469,7 +469,7 @@ class TrainConfig:
             return
         import torch
 
-        from distill.models.attention_backend import check_backend
+        from distill.config.attention_backends import check_backend
 
         cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
         teacher_half = self.teacher_dtype in ("bfloat16", "float16") or (

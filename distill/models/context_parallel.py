@@ -51,7 +51,7 @@ def enable_context_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> int:
         # The backend that has a backward under Ulysses and runs everywhere (SDPA); set on the model,
         # not as the process default (which set_attention_backend also changes), so a user's own
         # backend choice elsewhere is untouched. One set by --attention_backend is kept (it was
-        # checked to split: distill.models.attention_backend).
+        # checked to split: distill.config.attention_backends).
         if not has_backend(module):
             with process_default_kept():
                 module.set_attention_backend("native")

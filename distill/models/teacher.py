@@ -193,6 +193,12 @@ class TeacherInfo:
             width // self.vae_scale_spatial,
         )
 
+    def tokens(self, height: int, width: int, num_frames: int) -> int:
+        """Transformer tokens of one sample of this size (latent frames x patches)."""
+        _, frames, rows, columns = self.latent_shape(height, width, num_frames)
+        patch = self.patch_size
+        return (frames // patch[0]) * (rows // patch[1]) * (columns // patch[2])
+
     def expert_bytes(self, dtype: torch.dtype) -> int:
         """Host memory one rank needs to load both experts in `dtype` (from the files' sizes)."""
         on_disk = sum(

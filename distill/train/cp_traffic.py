@@ -126,9 +126,7 @@ def step_traffic(
     """Bytes one rank sends in an optimizer step, averaged over the run (dmd's generator update runs
     every --critic_updates-th step), from the forwards the cost counts for each update (cost.per_sample:
     guidance, rollouts, regression batches), each through its model's split."""
-    from distill.train.plan import tokens_of
-
-    tokens = tokens_of(cfg, info)
+    tokens = info.tokens(cfg.height, cfg.width, cfg.num_frames)
     degree = cfg.sequence_parallel
     configs = {"teacher": info.expert_config, "student": student_config, "critic": critic_config}
     if cfg.student_lora_rank:  # the trained models are the teacher's experts with adapters

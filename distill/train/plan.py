@@ -102,9 +102,7 @@ def trained_parameters(
 
 def tokens_of(cfg: TrainConfig, info: TeacherInfo) -> int:
     """Transformer tokens of one training sample (latent frames x patches)."""
-    _, frames, height, width = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
-    patch = info.patch_size
-    return (frames // patch[0]) * (height // patch[1]) * (width // patch[2])
+    return info.tokens(cfg.height, cfg.width, cfg.num_frames)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from distill.data.prepare import (
 )
 from distill.data.prompts import reference_prompts
 from distill.data.samples import read_training_samples
-from distill.models.attention_backend import apply_backend, log_sdpa_choice
+from distill.models.attention_backend import apply_backend, log_run_kernels
 from distill.models.conditioning import condition_entries
 from distill.models.guided_teacher import GuidedTeacher
 from distill.models.layout import require_weights
@@ -297,8 +297,7 @@ class Distiller:
                     place_expert(high, device, on_cpu, shard_over),
                     None if low is None else place_expert(low, device, on_cpu, shard_over),
                 )
-                for expert in experts:  # the LoRA student's and critic's adapters ride on these
-                    apply_backend(expert, cfg.attention_backend)
+                apply_backend(cfg.attention_backend, *experts)  # the LoRA student's and critic's adapters too
             if waves > 1:
                 dist_utils.barrier()
         assert experts is not None
@@ -379,23 +378,8 @@ class Distiller:
                 )
         if cfg.gradient_checkpointing:
             model.enable_gradient_checkpointing()
-        apply_backend(model, cfg.attention_backend)  # before the split, which keeps it
+        apply_backend(cfg.attention_backend, model)  # before the split, which keeps it
         return split_model(self.ctx, model.to(self.device).train())
-
-    def log_attention_kernels(self) -> None:
-        """On CUDA, which kernel SDPA runs for the student and for the teacher (their dtypes differ:
-        an autocast student and a bf16 teacher, or a float32 student that gets no fused kernel)."""
-        cfg = self.cfg
-        shape = self.info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
-        patch = self.info.expert_config["patch_size"]
-        tokens = (shape[1] // patch[0]) * (shape[2] // patch[1]) * (shape[3] // patch[2])
-        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision)
-        student_dtype = self.teacher_dtype if cfg.student_lora_rank else autocast or torch.float32
-        for what, config, dtype in (
-            ("student", self.student_config, student_dtype),
-            ("teacher", self.info.expert_config, self.teacher_dtype),
-        ):
-            log_sdpa_choice(what, config, tokens, dtype, self.device, cfg.attention_backend)
 
     @property
     def latent_frames(self) -> int:
@@ -479,12 +463,11 @@ class Distiller:
         )
         student = self.make_model("student")
         extra = {name: self.make_model(name) for name in self.model_specs if name != "student"}
-        if self.is_main:
-            self.log_attention_kernels()
         loop = TrainingLoop(cfg, self, student, teacher, dataset, negative, out, extra)
         result.resumed_from = loop.maybe_resume()
         if self.is_main:  # only once the run is known to go ahead: a refused resume keeps the old one
             save_resolved_config(cfg, out / "run_config.json")
+            log_run_kernels(cfg, self.info, self.student_config, self.teacher_dtype, self.device)
         loop.train(result)
         # No update of any model made (not merely none of the student: a resumed dmd run's last steps
         # may all be critic updates, whose rows log critic_loss only).
