@@ -10,6 +10,7 @@ import sys
 
 from conftest import REPO, repo_pythonpath, train_args
 from test_distributed import assert_same_trajectory
+from test_teacher_lora import write_user_lora
 
 from train_distillation import main
 
@@ -107,10 +108,13 @@ def test_two_nodes_on_one_machine_finish_with_identical_students(tiny_teacher, t
 
 def test_a_sharded_teacher_trains_as_a_whole_one_on_one_node_and_on_two(tiny_teacher, tmp_path):
     """On the same global batch (4 = 1 x 4 ranks = 2 x 2 ranks = 4 x 1 process), with the teacher from
-    its high-noise expert's blocks: 2 ranks with the teacher sharded train as 2 ranks with it whole and
-    as one process; 2 nodes x 2 ranks (HSDP: each expert sharded within a node, replicated across the
-    two) as well."""
-    common = dict(num_steps=3, student_init="teacher")
+    its high-noise expert's blocks and carrying a user's LoRA pair (fused before the experts are
+    placed): 2 ranks with the teacher sharded train as 2 ranks with it whole and as one process;
+    2 nodes x 2 ranks (HSDP: each expert sharded within a node, replicated across the two) as well."""
+    users = tmp_path / "user_lora"
+    write_user_lora(users / "style_high_noise.safetensors", seed=1)
+    write_user_lora(users / "style_low_noise.safetensors", seed=2)
+    common = dict(num_steps=3, student_init="teacher", teacher_lora=users)
 
     def args(name: str, batch_size: int, placement: str = "shard") -> list:
         return train_args(
@@ -125,6 +129,7 @@ def test_a_sharded_teacher_trains_as_a_whole_one_on_one_node_and_on_two(tiny_tea
     launcher = [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
     flat = run([*launcher, str(REPO / "train_distillation.py"), *map(str, args("flat", 2))])
     assert "teacher sharded over all 2 ranks" in flat.stderr
+    assert "style_high_noise.safetensors into the teacher's" in flat.stderr, flat.stderr[-3000:]
     whole = run([*launcher, str(REPO / "train_distillation.py"), *map(str, args("whole", 2, "gpu"))])
     assert "teacher placement: gpu" in whole.stdout + whole.stderr
     # One process: `shard` falls back to a whole teacher (nothing to shard over).
