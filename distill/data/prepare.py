@@ -91,6 +91,8 @@ def fill_embedding_cache(
     pipe = load_text_encoder(info, device, dtype)
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
+    from distill.models.pipelines import encode_on_needed_tokens
+
     truncated = 0
 
     def encode(chunk: list[str]) -> list[torch.Tensor]:
@@ -98,14 +100,8 @@ def fill_embedding_cache(
         ids = pipe.tokenizer([prompt_clean(p) for p in chunk], add_special_tokens=True)["input_ids"]
         lengths = [min(len(i), max_length) for i in ids]
         truncated += sum(len(i) > max_length for i in ids)
-        with torch.no_grad():
-            embeds = pipe.encode_prompt(
-                chunk,
-                do_classifier_free_guidance=False,
-                max_sequence_length=max_length,
-                device=device,
-                dtype=dtype,
-            )[0]
+        with torch.no_grad():  # on the tokens the chunk needs: the padding was 512 - n rows of work
+            embeds = encode_on_needed_tokens(pipe, chunk, max_length, device, dtype=dtype)[0]
         return [e[:n].cpu() for e, n in zip(embeds, lengths)]
 
     with tqdm(total=len(todo), desc="text embeddings", disable=not show_progress) as bar:

@@ -141,7 +141,7 @@ def encode_on_needed_tokens(
         truncation=True,
         max_length=max_sequence_length,
     ).input_ids
-    needed = max(len(ids) for ids in tokens)
+    needed = max((len(ids) for ids in tokens), default=1)
     embeds, negative_embeds = pipe.encode_prompt(
         prompt=list(prompts),
         negative_prompt=[""] * len(prompts) if negative else None,
