@@ -98,6 +98,27 @@ def wan_format_problem(
     return None
 
 
+def save_wan_format(
+    state: Mapping[str, torch.Tensor],
+    shape: LoraShape,
+    path: Path,
+    what: str,
+    fix: str,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """`state` (diffusers-named adapter tensors, float32 on the CPU) saved at `path` in Wan's keys,
+    once diffusers' own converter reads them back as trained; else refused naming `what` with `fix`."""
+    from safetensors.torch import save_file
+
+    wan = to_wan_format(state, shape)
+    problem = wan_format_problem(state, shape, wan)
+    if problem:
+        raise DistillError(
+            f"{what} does not read back as trained", problem, fixes=[fix], stage=Stage.INTERNAL
+        )
+    save_file(wan, path, metadata={"format": "pt", **(metadata or {})})
+
+
 def write_lora_folder(
     states: Mapping[str, Mapping[str, torch.Tensor]],
     shape: LoraShape,
@@ -112,7 +133,6 @@ def write_lora_folder(
     metadata (distill.models.lora_folder.KIND_KEY): both models' experts have the same layer shapes,
     so only this record tells an image-to-video LoRA from a text-to-video one."""
     from diffusers import WanPipeline
-    from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -131,18 +151,14 @@ def write_lora_folder(
                 weight_name=names[which],
                 transformer_lora_adapter_metadata=metadata,
             )
-            wan = to_wan_format(plain, shape)
-            problem = wan_format_problem(plain, shape, wan)
-            if problem:
-                raise DistillError(
-                    f"the Wan-format {which}-noise LoRA does not read back as trained",
-                    problem,
-                    fixes=[
-                        "use the diffusers-format files beside it, and report this with the run's lora/ folder"
-                    ],
-                    stage=Stage.INTERNAL,
-                )
-            save_file(wan, staging / WAN_FORMAT_DIR / names[which], metadata={"format": "pt", **recorded})
+            save_wan_format(
+                plain,
+                shape,
+                staging / WAN_FORMAT_DIR / names[which],
+                f"the Wan-format {which}-noise LoRA",
+                "use the diffusers-format files beside it, and report this with the run's lora/ folder",
+                recorded,
+            )
         (staging / "adapter_config.json").write_text(json.dumps({**metadata, **recorded}, indent=2) + "\n")
         swap_into_place(staging, out_dir)
     except BaseException:
