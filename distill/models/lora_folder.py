@@ -19,6 +19,7 @@ says of the Wan 2.2 model its adapters were trained on (distill.sample.lora_fit 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,9 +50,16 @@ BLOCK_MODULES = {
     **{f"{attn}.{t}": t for attn in ("attn1", "attn2") for t in LORA_TARGETS if t.startswith("to_")},
     **{t: t for t in LORA_TARGETS if not t.startswith("to_")},
 }
-# The same modules in Wan's names (what lora/comfyui/ holds): self_attn.q -> attn1.to_q, ...
-WAN_MODULES = {wan_module_name(f"blocks.0.{m}").removeprefix("blocks.0."): m for m in BLOCK_MODULES}
 WAN_KINDS = {wan: kind for kind, wan in LORA_SUFFIXES.items()}  # lora_down -> lora_A
+
+
+@functools.cache
+def wan_modules() -> dict[str, str]:
+    """The block modules in Wan's names (what lora/comfyui/ holds): self_attn.q -> attn1.to_q, ...
+
+    Built on first use, not at import: the names are checked against diffusers' converter, whose
+    module pulls in much of transformers, and most processes never read a Wan-format file."""
+    return {wan_module_name(f"blocks.0.{m}").removeprefix("blocks.0."): m for m in BLOCK_MODULES}
 
 
 @dataclass(frozen=True)
@@ -245,9 +253,9 @@ def _diffusers_key(name: str, wan_format: bool) -> str | None:
             if not tail.endswith(".weight") or kind not in WAN_KINDS:
                 return None
             kind = f"{WAN_KINDS[kind]}.weight"
-        if module not in WAN_MODULES:
+        if module not in wan_modules():
             return None
-        return f"blocks.{block}.{WAN_MODULES[module]}.{kind}"
+        return f"blocks.{block}.{wan_modules()[module]}.{kind}"
     parts = name.removeprefix("transformer.").split(".")
     if len(parts) < 5 or parts[0] != "blocks" or not parts[1].isdigit() or parts[-1] != "weight":
         return None
