@@ -378,9 +378,9 @@ def kill_during_checkpoint(workdir: Path, index: int, seed: int | None = None) -
 
 
 @contextmanager
-def cpu_hog(processes: int | None = None) -> Iterator[None]:
-    """Busy processes on every core (or `processes` of them) while the block runs."""
-    count = processes or os.cpu_count() or 2
+def cpu_hog() -> Iterator[None]:
+    """A busy process on every core while the block runs."""
+    count = os.cpu_count() or 2
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
     try:
         yield
@@ -401,11 +401,10 @@ def stress(
     hog: str,
     workdir: Path,
     say: Callable[[str], None] = print,
-    hog_processes: int | None = None,
 ) -> int:
     """Run each scenario `runs` times; returns the number of runs that did not end as expected.
 
-    `hog_processes` busy processes (default: one per core) run beside the runs `hog` selects.
+    A busy process on every core runs beside the runs `hog` selects ("always", "alternate", "never").
     """
     prepare(workdir)
     failures = 0
@@ -414,7 +413,7 @@ def stress(
         started = time.monotonic()
         for index in range(runs):
             busy = hog == "always" or (hog == "alternate" and index % 2 == 1)
-            with cpu_hog(hog_processes) if busy else _nothing():
+            with cpu_hog() if busy else _nothing():
                 if name == CHECKPOINT_KILL:
                     problems = kill_during_checkpoint(workdir, index)
                 else:
