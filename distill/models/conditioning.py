@@ -238,6 +238,22 @@ def fixed_latent_frames(kind: TeacherKind, image: bool) -> int:
     return 1 if kind == TI2V_5B and image else 0
 
 
+def condition_frames(
+    kind: TeacherKind, condition: Condition | None, start: int, end: int
+) -> Condition | None:
+    """What latent frames [start, end) of a clip take of the whole clip's `condition` (a causal
+    student's chunk, distill/models/causal/streaming.py): I2V-A14B's mask and image-latent channels
+    of those frames; TI2V-5B's mask of those frames with the image's one latent frame, which only a
+    chunk holding frame 0 takes (a later chunk's mask is all 1, so it enters as in text mode)."""
+    if condition is None or condition.empty:
+        return condition
+    mask = None if condition.mask is None else condition.mask[:, :, start:end]
+    if kind == TI2V_5B:
+        return Condition(condition.channels, mask)
+    channels = None if condition.channels is None else condition.channels[:, :, start:end]
+    return Condition(channels, mask)
+
+
 def stored_condition(condition: Condition) -> torch.Tensor:
     """What the image-latent cache keeps of one sample's condition (batch of one): its channels
     (I2V-A14B: mask + image latent; TI2V-5B: the image's latent frame). A TI2V mask is rebuilt from

@@ -304,15 +304,6 @@ def causal_pass(
         cache.commit(chunks, height * width)
 
 
-def check_whole_chunks(model: torch.nn.Module, latent_frames: int) -> None:
-    """Refuse a clip that is not whole chunks of the causal `model` (every chunk attends as a unit)."""
-    layout = causal_layout(model)
-    if layout is not None and not layout.whole_chunks(latent_frames):
-        raise ValueError(
-            f"{latent_frames} latent frames are not whole chunks of {layout.chunk_frames} latent frames"
-        )
-
-
 # ----------------------------------------------------------------------------------------------
 # The record beside an exported student
 # ----------------------------------------------------------------------------------------------
