@@ -12,7 +12,6 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 from distill.models.causal.attention import (
-    CausalLayout,
     CausalPass,
     CausalState,
     ChunkRope,
@@ -21,10 +20,14 @@ from distill.models.causal.attention import (
 )
 from distill.models.causal.decode import ChunkDecoder
 from distill.models.causal.kv_cache import KVCache
+from distill.models.causal.layout import CausalLayout
 from distill.models.causal.streaming import stream_latents
-from distill.models.few_step import few_step_scheduler, rollout_step, student_grid
+from distill.models.conditioning import image_condition
+from distill.models.few_step import few_step_scheduler, rollout_step, sample_few_step, student_grid
 from distill.models.pipelines import decode_latents, load_vae
 from distill.models.teacher import inspect_teacher, load_expert
+from distill.models.teacher_kind import I2V_A14B, TI2V_5B
+from distill.models.tiny import build_tiny_pipeline
 
 FRAMES = 6  # latent frames: 2 chunks of 3, or 6 of 1; a frame is 16 tokens (8 x 8 latents, patch 2)
 
@@ -161,3 +164,27 @@ def test_decoding_chunk_by_chunk_equals_decoding_the_whole_clip(tiny_teacher: Pa
     torch.testing.assert_close(
         torch.from_numpy(np.concatenate(parts)), torch.from_numpy(whole), rtol=0, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("kind", [I2V_A14B, TI2V_5B], ids=lambda k: k.name)
+def test_a_chunk_over_the_whole_clip_streams_the_few_step_sample_with_the_image(kind) -> None:
+    """The image condition reaches the streamed chunks as it reaches the bidirectional sampler: a
+    causal student whose one chunk is the whole clip streams exactly sample_few_step's sample."""
+    pipe = build_tiny_pipeline(0, kind=kind)
+    expert, vae = pipe.transformer.float(), pipe.vae.float()
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    condition = image_condition(vae, image, 9, kind=kind)
+    _, text = inputs()
+    latent_shape = (
+        kind.out_channels,
+        3,
+        32 // 16 if kind == TI2V_5B else 4,
+        32 // 16 if kind == TI2V_5B else 4,
+    )
+    scheduler = few_step_scheduler(5.0)
+    whole = sample_few_step(expert, scheduler, 2, text, latent_shape, 4, condition=condition, kind=kind)
+    make_causal(expert, 3)
+    (chunk,) = stream_latents(expert, scheduler, 2, text, latent_shape, 4, kind=kind, condition=condition)
+    torch.testing.assert_close(chunk.latents, whole, rtol=0, atol=1e-5)
+    if kind == TI2V_5B:  # the image's latent frame held at frame 0, as the bidirectional sampler holds it
+        torch.testing.assert_close(chunk.latents[:, :, :1], condition.channels, rtol=0, atol=0)

@@ -12,13 +12,8 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from distill.models.attention_backend import apply_backend
-from distill.models.causal.attention import (
-    CAUSAL_FILE,
-    ChunkCausalProcessor,
-    causal_layout,
-    make_causal,
-    read_causal_config,
-)
+from distill.models.causal.attention import ChunkCausalProcessor, causal_layout, make_causal
+from distill.models.causal.layout import CAUSAL_FILE, read_causal_config
 from distill.models.student import export_student
 from distill.models.teacher import inspect_teacher, load_expert
 from distill.ops.errors import DistillError

@@ -459,7 +459,8 @@ def export_student(model: nn.Module, out_dir: str | Path, *, resume_from: str | 
 
 def _record_causal(model: nn.Module, folder: Path) -> None:
     """Write the causal layout of `model` into its export folder; nothing for a bidirectional one."""
-    from distill.models.causal.attention import causal_layout, write_causal_config
+    from distill.models.causal.attention import causal_layout
+    from distill.models.causal.layout import write_causal_config
 
     layout = causal_layout(model)
     if layout is not None:

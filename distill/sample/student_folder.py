@@ -57,7 +57,8 @@ def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dt
     chunk size (causal_config.json, distill/models/causal)."""
     from diffusers import WanTransformer3DModel
 
-    from distill.models.causal.attention import make_causal, read_causal_config
+    from distill.models.causal.attention import make_causal
+    from distill.models.causal.layout import read_causal_config
     from distill.models.student_config import TEACHER_EQUAL_KEYS
 
     folder = require_student_folder(folder)

@@ -17,7 +17,7 @@ through the seams diffusers gives:
 No parameter is added, removed or renamed: the state dict is a WanTransformer3DModel's, so a causal
 student saves and loads as one, and any of our students (or the teacher's high-noise expert) can be
 made causal. What makes a saved student causal again is `causal_config.json` beside its config.json
-(`write_causal_config` / `read_causal_config`).
+(distill/models/causal/layout.py).
 
 What a forward does is set by `causal_pass` (no pass: the whole clip at once from frame 0, as in
 training); the streaming sampler (distill/models/causal/streaming.py) runs one chunk at a time on a
@@ -27,10 +27,8 @@ training); the streaming sampler (distill/models/causal/streaming.py) runs one c
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,26 +37,11 @@ from diffusers.models.embeddings import get_1d_rotary_pos_embed
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 from distill.models.causal.kv_cache import KVCache
+from distill.models.causal.layout import CausalLayout, check_chunk_frames
 from distill.ops.errors import DistillError, Stage
-
-# Beside an exported student's config.json: what turns the loaded model causal again. A file of its
-# own rather than a config.json key, so stock diffusers loads the folder without a warning and the
-# student's config stays a valid student config for every tool that reads one.
-CAUSAL_FILE = "causal_config.json"
 
 # WanTransformer3DModel builds its rotary embedding with this base (diffusers does not store it).
 ROPE_THETA = 10000.0
-
-
-@dataclass(frozen=True)
-class CausalLayout:
-    """What makes a student causal: the size of the chunks its attention is causal over."""
-
-    chunk_frames: int
-    """Latent frames per chunk (each is 4 video frames, the first chunk's first one 1)."""
-
-    def whole_chunks(self, latent_frames: int) -> bool:
-        return latent_frames % self.chunk_frames == 0
 
 
 @dataclass(frozen=True)
@@ -221,17 +204,6 @@ class ChunkCausalProcessor:
         return attn.to_out[1](hidden_states)
 
 
-def check_chunk_frames(chunk_frames: Any, source: str = "chunk_frames") -> int:
-    """`chunk_frames` if it is a positive whole number of latent frames, else a refusal naming `source`."""
-    if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
-        raise DistillError(
-            f"{source} = {chunk_frames!r}: a causal student's chunk is a positive whole number of latent frames",
-            fixes=[f"set {source} to 1 or 3 (the chunk sizes of the published causal Wan students)"],
-            stage=Stage.CONFIG,
-        )
-    return chunk_frames
-
-
 def make_causal(model: torch.nn.Module, chunk_frames: int) -> torch.nn.Module:
     """`model` (a bare WanTransformer3DModel: before DDP, compile or sharding) made block-causal over
     chunks of `chunk_frames` latent frames, in place; returns it. Weights are untouched. An attention
@@ -302,38 +274,3 @@ def causal_pass(
             (f, min(chunk, start_frame + frames - f)) for f in range(start_frame, start_frame + frames, chunk)
         ]
         cache.commit(chunks, height * width)
-
-
-# ----------------------------------------------------------------------------------------------
-# The record beside an exported student
-# ----------------------------------------------------------------------------------------------
-
-
-def write_causal_config(folder: str | Path, layout: CausalLayout) -> Path:
-    """Write `causal_config.json` into an exported student's folder (beside its config.json)."""
-    path = Path(folder) / CAUSAL_FILE
-    record = {
-        "chunk_frames": layout.chunk_frames,
-        "attention": "block-causal over chunks of chunk_frames latent frames; the weights are a "
-        "WanTransformer3DModel's and stream with distill.models.causal (python -m distill.generate --stream)",
-    }
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    return path
-
-
-def read_causal_config(folder: str | Path) -> CausalLayout | None:
-    """The layout recorded beside an exported student, None when it has no causal_config.json."""
-    path = Path(folder) / CAUSAL_FILE
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DistillError(
-            f"cannot read {path}",
-            f"{type(exc).__name__}: {exc}",
-            fixes=['write it again as {"chunk_frames": 3} (the chunk size the student was trained with)'],
-            stage=Stage.CONFIG,
-        ) from None
-    chunk = record.get("chunk_frames") if isinstance(record, dict) else None
-    return CausalLayout(check_chunk_frames(chunk, f"chunk_frames in {path}"))
