@@ -205,16 +205,22 @@ def model_timestep(
     denoises it like the others; the mask tells the model which frame the image fixes). TI2V-5B
     takes one per token, (B, F' * h/2 * w/2) float32, as the pipelines' `expand_timesteps` builds
     it: mask * t, so t on every token in text mode and 0 on the tokens the image fixes.
+
+    `timesteps` may also be (B, F'), one per latent frame (a causal student's chunks, each at its own
+    noise level): every kind then gets one per token, (B, F' * h/2 * w/2), the frame's t on its tokens
+    (TI2V-5B: times the mask, as above). WanTransformer3DModel reads a 2-D timestep per token.
     """
-    if kind in (T2V_A14B, I2V_A14B):
+    per_frame = timesteps.dim() == 2
+    if kind in (T2V_A14B, I2V_A14B) and not per_frame:
         return timesteps
-    if kind == TI2V_5B:
+    if kind in (T2V_A14B, I2V_A14B, TI2V_5B):
         batch, _, frames, height, width = noisy.shape
-        if condition is not None and condition.mask is not None:
+        if kind == TI2V_5B and condition is not None and condition.mask is not None:
             mask = condition.mask[:, 0].to(noisy.device, torch.float32)
-        else:  # text mode: WanPipeline's mask of ones
+        else:  # text mode (WanPipeline's mask of ones), or a kind whose every token takes t
             mask = torch.ones(batch, frames, height, width, device=noisy.device)
-        t = timesteps.to(noisy.device, torch.float32).reshape(-1, 1, 1, 1)
+        shape = (batch, frames, 1, 1) if per_frame else (-1, 1, 1, 1)
+        t = timesteps.to(noisy.device, torch.float32).reshape(shape)
         # float32 mask times t, the pipelines' product (their t is a scheduler timestep).
         return (mask[:, :, ::TOKEN_PATCH, ::TOKEN_PATCH] * t).flatten(1)
     raise ValueError(f"timesteps of {kind.model} ({kind.inputs}) are not handled by this version")

@@ -27,11 +27,12 @@ training); the streaming sampler (distill/models/causal/streaming.py) runs one c
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
@@ -274,3 +275,40 @@ def causal_pass(
             (f, min(chunk, start_frame + frames - f)) for f in range(start_frame, start_frame + frames, chunk)
         ]
         cache.commit(chunks, height * width)
+
+
+def causal_checkpointing(model: torch.nn.Module) -> Callable[..., Any] | None:
+    """The gradient-checkpointing function a causal `model` needs (for diffusers'
+    `enable_gradient_checkpointing`), None for a bidirectional one (diffusers' own is right).
+
+    A checkpointed block runs its forward again during backward. By then a training rollout has
+    moved on: another chunk's pass is set (or none), the KV cache holds more chunks, the rope saw
+    another grid. So each checkpointed call keeps what its processors read as the forward saw it (the
+    pass, a snapshot of the cache, the grid) and the recompute runs under that; the recompute never
+    commits, so a chunk cannot be added to the cache twice.
+    """
+    state = _state_of(model)
+    if state is None:
+        return None
+
+    def checkpointed(block: torch.nn.Module, *args: Any) -> Any:
+        run = state.current
+        cache = run.cache.snapshot() if run.cache is not None else None
+        seen = replace(run, cache=cache, commit=False), state.grid
+        calls = 0
+
+        def forward(*inputs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:  # the forward itself, under the live pass (it may commit)
+                return block(*inputs)
+            previous = state.current, state.grid
+            state.current, state.grid = seen
+            try:
+                return block(*inputs)
+            finally:
+                state.current, state.grid = previous
+
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False)
+
+    return checkpointed

@@ -97,6 +97,17 @@ class KVCache:
         while self.window is not None and len(self.chunks) > self.window:
             self._drop_oldest()
 
+    def snapshot(self) -> KVCache:
+        """A copy holding the chunks held now, which later commits and drops leave as it is (they
+        replace this cache's tensors, never change them in place): what a checkpointed forward's
+        recompute in backward must read again."""
+        copy = KVCache(self.window)
+        copy.chunks = list(self.chunks)
+        copy.tokens_per_frame = self.tokens_per_frame
+        copy._keys, copy._values = dict(self._keys), dict(self._values)
+        copy.dropped = self.dropped
+        return copy
+
     def discard(self) -> None:
         """Forget what a pass staged (it failed before it finished)."""
         self._pending = _Pending()
