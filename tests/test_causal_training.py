@@ -158,6 +158,7 @@ def test_one_timestep_per_latent_frame_reaches_every_token_of_its_frame(tiny_tea
         100,
     ]
     assert torch.equal(model_timestep(I2V_A14B, per_frame, noise), tokens)
+    assert model_timestep(T2V_A14B, per_frame, noise, patch=(1, 1)).shape == (1, 3 * 64)  # a 1x1-patch model
     with torch.no_grad():  # all frames at one t: the per-token forward is the per-sample one
         same = model_timestep(T2V_A14B, torch.full((1, 3), 700.0), noise)
         torch.testing.assert_close(

@@ -197,7 +197,11 @@ def blend_latents(kind: TeacherKind, latents: torch.Tensor, condition: Condition
 
 
 def model_timestep(
-    kind: TeacherKind, timesteps: torch.Tensor, noisy: torch.Tensor, condition: Condition | None = None
+    kind: TeacherKind,
+    timesteps: torch.Tensor,
+    noisy: torch.Tensor,
+    condition: Condition | None = None,
+    patch: tuple[int, int] = (TOKEN_PATCH, TOKEN_PATCH),
 ) -> torch.Tensor:
     """The transformer's timestep argument of `kind` for noisy latents (B, ...) at `timesteps` (B,).
 
@@ -208,7 +212,9 @@ def model_timestep(
 
     `timesteps` may also be (B, F'), one per latent frame (a causal student's chunks, each at its own
     noise level): every kind then gets one per token, (B, F' * h/2 * w/2), the frame's t on its tokens
-    (TI2V-5B: times the mask, as above). WanTransformer3DModel reads a 2-D timestep per token.
+    (TI2V-5B: times the mask, as above). WanTransformer3DModel reads a 2-D timestep per token, one per
+    patch: `patch` is the model's (height, width) patch (its config's patch_size[1:]; 2 x 2 in every
+    Wan 2.2 model, other in a toy one).
     """
     per_frame = timesteps.dim() == 2
     if kind in (T2V_A14B, I2V_A14B) and not per_frame:
@@ -221,8 +227,10 @@ def model_timestep(
             mask = torch.ones(batch, frames, height, width, device=noisy.device)
         shape = (batch, frames, 1, 1) if per_frame else (-1, 1, 1, 1)
         t = timesteps.to(noisy.device, torch.float32).reshape(shape)
-        # float32 mask times t, the pipelines' product (their t is a scheduler timestep).
-        return (mask[:, :, ::TOKEN_PATCH, ::TOKEN_PATCH] * t).flatten(1)
+        # float32 mask times t, the pipelines' product (their t is a scheduler timestep); the
+        # pipelines' own per-token timestep (TI2V, one per sample) hard-codes the 2.
+        rows, cols = patch if per_frame else (TOKEN_PATCH, TOKEN_PATCH)
+        return (mask[:, :, ::rows, ::cols] * t).flatten(1)
     raise ValueError(f"timesteps of {kind.model} ({kind.inputs}) are not handled by this version")
 
 

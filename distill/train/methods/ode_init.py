@@ -34,6 +34,7 @@ from distill.models.conditioning import (
 )
 from distill.models.few_step import check_grid, few_step_scheduler, student_grid
 from distill.models.flow_matching import high_noise_mask, per_sample_mse
+from distill.models.student import unwrap_model
 from distill.train.methods.base import BatchRandomness, Method, MethodEnv, UpdateLoss
 from distill.train.methods.dmd import few_step_sampling
 
@@ -54,6 +55,9 @@ class OdeInitMethod(Method):
         self.scheduler = few_step_scheduler(cfg.student_shift, cfg.student_shift_terminal)
         self.timesteps, self.sigmas = student_grid(self.scheduler, cfg.student_steps)
         check_grid(self.timesteps, env.teacher.boundary_ratio, cfg.student_shift)
+        # A timestep per token: one per (height x width) patch of the student's.
+        config = getattr(unwrap_model(models["student"]), "config", None)
+        self.patch = tuple(int(p) for p in getattr(config, "patch_size", (1, 2, 2))[1:])
 
     @staticmethod
     def needs_teacher_noise(cfg: TrainConfig) -> bool:
@@ -75,7 +79,7 @@ class OdeInitMethod(Method):
         with env.autocast():
             velocity = self.train_models["student"](
                 hidden_states=model_input(kind, x_t, condition),
-                timestep=model_timestep(kind, timesteps, x_t, condition),
+                timestep=model_timestep(kind, timesteps, x_t, condition, self.patch),
                 encoder_hidden_states=cond,
                 return_dict=False,
             )[0].float()
