@@ -1,14 +1,20 @@
 """Generate images or videos with the distilled student (or with the teacher, for comparison).
 
+Longer than 500 lines because it is the one command that renders every kind of student (stock pipelines,
+LoRA adapters on the teacher, causal students streamed) under one set of flags and their rules; what
+renders lives in distill/models and distill/sample.
+
     python -m distill.generate --student outputs/run1/student \
         --teacher_path models/Wan2.2-T2V-A14B-Diffusers --prompt "a red fox in the snow" --output fox.png
     python -m distill.generate ... --num_frames 81 --output fox.mp4             # video
     python -m distill.generate --teacher_path ... --teacher_only --prompts_file data/sample_prompts.txt \
         --output teacher_samples/                                                 # the teacher, for reference
+    python -m distill.generate --student outputs/causal/student --stream --num_frames 33 ...  # streamed
 
-The student runs alone in WanPipeline with guidance 1 (one forward per step); the tokenizer,
-text encoder, VAE and (unless the run recorded its own) scheduler come from the teacher folder. `--teacher_only` runs both teacher
-experts with their guidance (4.0 / 3.0) instead.
+The student runs alone in WanPipeline with guidance 1 (one forward per step); the tokenizer, text encoder,
+VAE and (unless the run recorded its own) scheduler come from the teacher folder. `--teacher_only` runs
+both teacher experts with their guidance (4.0 / 3.0) instead. A causal student streams with `--stream`
+(distill.sample.stream): frames written as each chunk finishes, clips longer than it was trained on.
 
 Every sampling flag left out comes from the run that made the student (`run_settings.json` in or
 beside the student folder): the teacher, the training resolution and frame count, the steps and
@@ -84,6 +90,7 @@ from distill.sample.run_settings import (
     find_run_settings,
     warn_without_run_settings,
 )
+from distill.sample.stream import add_stream_flags, build_streamer, check_stream, stream_all, stream_rules
 from distill.sample.student_folder import (
     FALLBACK,
     TEACHER_GUIDANCE,
@@ -263,7 +270,7 @@ def check_flags(args: argparse.Namespace, given: dict[str, str]) -> None:
     two_experts = args.teacher_only or is_lora_folder(args.student)
     second = ("--guidance_2", args.guidance_2) if two_experts and args.guidance_2 is not None else None
     check_guidance(("--guidance", args.guidance), second)
-    check_dependents(args, given, generate_dependents(args, two_experts))
+    check_dependents(args, given, (*generate_dependents(args, two_experts), *stream_rules()))
 
 
 def path_flags(args: argparse.Namespace) -> list[PathFlag]:
@@ -294,7 +301,7 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], list[Path], Any]:
     # The flags given (an empty negative prompt is the default's and changes nothing).
     given = given_where(
         name
-        for name in ("guidance_2", "negative_prompt", "teacher_lora")
+        for name in ("guidance_2", "negative_prompt", "teacher_lora", "stream_window")
         if getattr(args, name) not in (None, "")
     )
     found = resolve_defaults(args)
@@ -311,10 +318,11 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], list[Path], Any]:
     if not args.teacher_only:
         lora_student(args.student, info)  # a LoRA folder: checked whole before anything loads
     model = teacher_limits(info) if args.teacher_only else student_limits(args.student, info)
+    layout = check_stream(args, info) if args.stream else None  # its frames may pass the rope table
     check_sample_size(
         args.height,
         args.width,
-        args.num_frames,
+        1 if args.stream else args.num_frames,
         info.vae_scale_spatial,
         info.vae_scale_temporal,
         [model],
@@ -340,15 +348,17 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], list[Path], Any]:
     logger.info(describe(args, who, source))
     device = pick_device(args.device)
     run = found[0] if found else None
-    pipe = build_pipeline(
-        args, info, device, resolve_dtype(args.dtype, device), run, image=images is not None
-    )
-    return pipe, prompts, targets, images
+    dtype = resolve_dtype(args.dtype, device)
+    if layout is not None:  # --stream: the causal student's streamer stands in for the pipeline
+        return build_streamer(args, info, device, dtype, run, layout, prompts), prompts, targets, images
+    return build_pipeline(args, info, device, dtype, run, image=images is not None), prompts, targets, images
 
 
 def generate(args: argparse.Namespace) -> list[Path]:
     """Render every prompt and write it; returns the written files."""
     pipe, prompts, targets, images = prepare(args)
+    if args.stream:  # frames written as each chunk finishes
+        return stream_all(pipe, prompts, targets, images, args.seed)
     written, clips = [], []
     for i, (prompt, target) in enumerate(zip(prompts, targets)):
         frames = render(pipe, args, prompt, args.seed + i, image=images_of(images, i))
@@ -466,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--teacher_only", action="store_true", help="Render the teacher instead of the student."
     )
     add_teacher_lora_flag(parser, "with --teacher_only, or for a LoRA student: base + these + its adapters")
+    add_stream_flags(parser)
     parser.add_argument(
         "--max_sequence_length",
         type=integer(1),

@@ -41,6 +41,7 @@ COMMANDS = {
     "distill.toy.user_lora",
     "distill.toy.user_table",
     "distill.toy.proofs",
+    "distill.toy.causal_students",
     "distill.toy.shipping",  # what the ship commands share; only they import it
 }
 # The package itself, which every `python -m distill...` command imports first, checks the

@@ -15,7 +15,13 @@ from typing import Any
 
 from distill.config.file_values import blame_the_file, check_value, read_mapping, rename_aliases
 from distill.config.flag_rules import TRAIN_DEPENDENTS, check_dependents, given_where
-from distill.config.settings import TrainConfig, config_error, field_defaults, field_types
+from distill.config.settings import (
+    CRITIC_METHODS,
+    TrainConfig,
+    config_error,
+    field_defaults,
+    field_types,
+)
 from distill.ops.command import PathAction
 from distill.ops.errors import DistillError, Stage
 from distill.ops.paths import Kind, PathFlag, check_paths
@@ -242,7 +248,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
             raise config_error(
                 name, f"must be a {base.__name__}, got {value!r}", f"fix '{name}' in {given.config}"
             )
-    if values.get("method") == "dmd":
+    if values.get("method") in CRITIC_METHODS:
         defaults = dict(DMD_DEFAULTS)
         if values.get("student_lora_rank"):
             defaults.update(DMD_LORA_DEFAULTS)

@@ -65,29 +65,42 @@ TRAIN_DEPENDENTS = (
         "add --student_lora_rank 64",
     ),
     Dependent(
+        ("student_steps", "student_shift", "student_shift_terminal"),
+        lambda c: c.few_step,
+        "a few-step method (--method dmd, ode_init or self_forcing)",
+        "it shapes the step grid of a few-step student; velocity distillation samples with the "
+        "teacher's steps",
+        "add --method dmd (from a trained student: README, the two-stage recipe)",
+    ),
+    Dependent(
         (
-            "student_steps",
-            "student_shift",
-            "student_shift_terminal",
             "critic_config",
             "critic_init",
             "critic_updates",
             "critic_lr",
             "critic_betas",
             "generator_betas",
-            "dmd_inputs",
-            "regression_weight",
         ),
+        lambda c: c.trains_critic,
+        "--method dmd (or self_forcing)",
+        "it is a setting of distribution matching (a few-step student and its critic); velocity "
+        "distillation and ode_init train no critic",
+        "add --method dmd (from a trained student: README, the two-stage recipe)",
+    ),
+    Dependent(
+        ("dmd_inputs", "regression_weight"),
         lambda c: c.method == "dmd",
         "--method dmd",
-        "it is a setting of distribution matching (a few-step student and its critic); velocity "
-        "distillation has neither",
+        "it chooses the inputs or adds a term of dmd's generator update",
         "add --method dmd (from a trained student: README, the two-stage recipe)",
     ),
     Dependent(
         ("reference_prompts",),
-        lambda c: c.method == "dmd" and c.dmd_inputs == "simulate" and not c.regression_weight,
-        "--method dmd with --dmd_inputs simulate and no --regression_weight",
+        lambda c: (
+            c.method == "self_forcing"
+            or (c.method == "dmd" and c.dmd_inputs == "simulate" and not c.regression_weight)
+        ),
+        "--method dmd with --dmd_inputs simulate and no --regression_weight (or --method self_forcing)",
         "only such a run samples the teacher for a subset of the prompts; every other run samples "
         "one clean latent per training prompt",
         "use --method dmd without --dmd_inputs data and --regression_weight",

@@ -37,6 +37,13 @@ def canonical_lora_targets(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(t for t in LORA_TARGETS if t in given) + tuple(sorted(given - set(LORA_TARGETS)))
 
 
+# Methods whose student is a few-step generator (its --student_steps grid, exported with its scheduler),
+# and those of them that also train a critic (distribution matching: dmd, and self_forcing, which
+# judges a causal student's own rolled-out clip with dmd's loss).
+FEW_STEP_METHODS = ("dmd", "self_forcing", "ode_init")
+CRITIC_METHODS = ("dmd", "self_forcing")
+
+
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **extra: Any) -> Any:
     """A dataclass field that carries its CLI help text (and choices) as metadata."""
     return field(default=default, metadata={"help": help, "choices": choices, **extra})
@@ -116,6 +123,12 @@ class TrainConfig:
         "low", "Which expert --student_init teacher copies from.", ("high", "low")
     )
     gradient_checkpointing: bool = _opt(False, "Recompute student activations in backward to save memory.")
+    student_chunk_frames: int | None = _opt(
+        None,
+        "Make the student causal: block-causal attention over chunks of this many latent frames (1 or 3; "
+        "a latent frame is 4 video frames), so it streams chunk by chunk (generate --stream). Carried "
+        "through checkpoints and the export (causal_config.json). Left out: a bidirectional student.",
+    )
     student_lora_rank: int = _opt(
         0,
         "> 0: the student is the teacher's own two experts with LoRA adapters of this rank, each expert's "
@@ -152,8 +165,11 @@ class TrainConfig:
     method: str = _opt(
         "velocity",
         "velocity: regress onto the guided teacher's velocity (a smaller student, the teacher's step count); "
-        "dmd: distribution matching into a --student_steps generator (start it from a velocity student).",
-        ("velocity", "dmd"),
+        "dmd: distribution matching into a --student_steps generator (start it from a velocity student); "
+        "ode_init: regress the teacher's (noise -> clean latent) pairs at the student's steps, one step "
+        "per chunk of a causal student (its initialisation); self_forcing: dmd on a causal student's own "
+        "chunk-by-chunk rollout (needs --student_chunk_frames; docs/streaming.md).",
+        ("velocity", "dmd", "ode_init", "self_forcing"),
     )
     student_steps: int = _opt(4, "dmd: sampling steps of the student (exported with its scheduler).")
     student_shift: float = _opt(
@@ -515,7 +531,7 @@ class TrainConfig:
             )
         if not self.student_lora_rank:
             return  # LoRA settings given without a rank: distill.config.flag_rules refuses them
-        if self.expert_phase != "both" and self.method != "dmd":
+        if self.expert_phase != "both" and not self.trains_critic:
             raise config_error(
                 "expert_phase",
                 "one expert at a time is a dmd schedule",
@@ -548,7 +564,7 @@ class TrainConfig:
             raise config_error(
                 "critic_lora_rank", "must be 0 (a full critic) or positive", "try --critic_lora_rank 64"
             )
-        if self.critic_lora_rank is not None and self.method != "dmd":
+        if self.critic_lora_rank is not None and not self.trains_critic:
             raise config_error(
                 "critic_lora_rank", "only --method dmd trains a critic", "drop --critic_lora_rank"
             )
@@ -575,7 +591,7 @@ class TrainConfig:
                 "experts, which must then compute on the training device",
                 "use --teacher_placement gpu, or shard with several GPUs (or auto)",
             )
-        if self.teacher_placement == "shard" and self.method == "dmd" and not self.critic_adapter_rank:
+        if self.teacher_placement == "shard" and self.trains_critic and not self.critic_adapter_rank:
             raise config_error(
                 "critic_lora_rank",
                 "0 (a full critic) copies both experts whole onto every rank, which --teacher_placement "
@@ -605,12 +621,25 @@ class TrainConfig:
         """The dmd critic's adapter rank with --student_lora_rank; 0 means a full copy of the experts."""
         return self.student_lora_rank if self.critic_lora_rank is None else self.critic_lora_rank
 
+    @property
+    def few_step(self) -> bool:
+        """Whether the student is a --student_steps generator (exported with its scheduler)."""
+        return self.method in FEW_STEP_METHODS
+
+    @property
+    def trains_critic(self) -> bool:
+        """Whether the method trains a critic beside the student (distribution matching)."""
+        return self.method in CRITIC_METHODS
+
     def _validate_method(self) -> None:
-        if self.method != "dmd":
+        from distill.config.causal_rules import check_causal_settings
+
+        check_causal_settings(self)
+        if not self.trains_critic:
             return
         if self.student_init == "random" and not self.student_lora_rank:
             raise DistillError(
-                "--method dmd needs a student that can already denoise: --student_init is random",
+                f"--method {self.method} needs a student that can already denoise: --student_init is random",
                 "Distribution matching sharpens a generator; it does not teach one from nothing. A random "
                 "student (and its critic, which starts like it) spends the run learning what stage 1 "
                 "teaches far more cheaply, and published recipes always start from trained weights.",

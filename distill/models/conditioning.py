@@ -197,7 +197,11 @@ def blend_latents(kind: TeacherKind, latents: torch.Tensor, condition: Condition
 
 
 def model_timestep(
-    kind: TeacherKind, timesteps: torch.Tensor, noisy: torch.Tensor, condition: Condition | None = None
+    kind: TeacherKind,
+    timesteps: torch.Tensor,
+    noisy: torch.Tensor,
+    condition: Condition | None = None,
+    patch: tuple[int, int] = (TOKEN_PATCH, TOKEN_PATCH),
 ) -> torch.Tensor:
     """The transformer's timestep argument of `kind` for noisy latents (B, ...) at `timesteps` (B,).
 
@@ -205,18 +209,28 @@ def model_timestep(
     denoises it like the others; the mask tells the model which frame the image fixes). TI2V-5B
     takes one per token, (B, F' * h/2 * w/2) float32, as the pipelines' `expand_timesteps` builds
     it: mask * t, so t on every token in text mode and 0 on the tokens the image fixes.
+
+    `timesteps` may also be (B, F'), one per latent frame (a causal student's chunks, each at its own
+    noise level): every kind then gets one per token, (B, F' * h/2 * w/2), the frame's t on its tokens
+    (TI2V-5B: times the mask, as above). WanTransformer3DModel reads a 2-D timestep per token, one per
+    patch: `patch` is the model's (height, width) patch (its config's patch_size[1:]; 2 x 2 in every
+    Wan 2.2 model, other in a toy one).
     """
-    if kind in (T2V_A14B, I2V_A14B):
+    per_frame = timesteps.dim() == 2
+    if kind in (T2V_A14B, I2V_A14B) and not per_frame:
         return timesteps
-    if kind == TI2V_5B:
+    if kind in (T2V_A14B, I2V_A14B, TI2V_5B):
         batch, _, frames, height, width = noisy.shape
-        if condition is not None and condition.mask is not None:
+        if kind == TI2V_5B and condition is not None and condition.mask is not None:
             mask = condition.mask[:, 0].to(noisy.device, torch.float32)
-        else:  # text mode: WanPipeline's mask of ones
+        else:  # text mode (WanPipeline's mask of ones), or a kind whose every token takes t
             mask = torch.ones(batch, frames, height, width, device=noisy.device)
-        t = timesteps.to(noisy.device, torch.float32).reshape(-1, 1, 1, 1)
-        # float32 mask times t, the pipelines' product (their t is a scheduler timestep).
-        return (mask[:, :, ::TOKEN_PATCH, ::TOKEN_PATCH] * t).flatten(1)
+        shape = (batch, frames, 1, 1) if per_frame else (-1, 1, 1, 1)
+        t = timesteps.to(noisy.device, torch.float32).reshape(shape)
+        # float32 mask times t, the pipelines' product (their t is a scheduler timestep); the
+        # pipelines' own per-token timestep (TI2V, one per sample) hard-codes the 2.
+        rows, cols = patch if per_frame else (TOKEN_PATCH, TOKEN_PATCH)
+        return (mask[:, :, ::rows, ::cols] * t).flatten(1)
     raise ValueError(f"timesteps of {kind.model} ({kind.inputs}) are not handled by this version")
 
 
@@ -236,6 +250,22 @@ def fixed_latent_frames(kind: TeacherKind, image: bool) -> int:
     TI2V-5B's image mode replaces latent frame 0 with the image's; every other kind and mode
     learns every frame (I2V-A14B denoises the image's frame like any other)."""
     return 1 if kind == TI2V_5B and image else 0
+
+
+def condition_frames(
+    kind: TeacherKind, condition: Condition | None, start: int, end: int
+) -> Condition | None:
+    """What latent frames [start, end) of a clip take of the whole clip's `condition` (a causal
+    student's chunk, distill/models/causal/streaming.py): I2V-A14B's mask and image-latent channels
+    of those frames; TI2V-5B's mask of those frames with the image's one latent frame, which only a
+    chunk holding frame 0 takes (a later chunk's mask is all 1, so it enters as in text mode)."""
+    if condition is None or condition.empty:
+        return condition
+    mask = None if condition.mask is None else condition.mask[:, :, start:end]
+    if kind == TI2V_5B:
+        return Condition(condition.channels, mask)
+    channels = None if condition.channels is None else condition.channels[:, :, start:end]
+    return Condition(channels, mask)
 
 
 def stored_condition(condition: Condition) -> torch.Tensor:

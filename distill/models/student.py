@@ -424,7 +424,9 @@ def export_student(model: nn.Module, out_dir: str | Path, *, resume_from: str | 
     The folder is written next to `out_dir` under a temporary name and renamed into place, so a
     crash never leaves a half-written export; an existing export is replaced only once the new
     one is complete. Call it on one rank only. Returns `out_dir`. `resume_from` names the checkpoint a
-    rerun would resume from, for the message when the write fails.
+    rerun would resume from, for the message when the write fails. A causal student
+    (distill/models/causal) gets its chunk size written beside its config (causal_config.json): its
+    weights are a plain WanTransformer3DModel's, and that file is what makes it causal again on load.
     """
     model = _require_wan(model, "student")
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
@@ -446,9 +448,20 @@ def export_student(model: nn.Module, out_dir: str | Path, *, resume_from: str | 
     staging = staging_folder(out_dir)
     try:
         model.save_pretrained(staging, safe_serialization=True)
+        _record_causal(model, staging)
         swap_into_place(staging, out_dir)
     except Exception as err:  # OSError, or safetensors' / torch's own words for a failed write
         shutil.rmtree(staging, ignore_errors=True)
         raise export_failed(err, out_dir, "the student ", resume_from) from None
     logger.info("Exported student to %s", out_dir)
     return out_dir
+
+
+def _record_causal(model: nn.Module, folder: Path) -> None:
+    """Write the causal layout of `model` into its export folder; nothing for a bidirectional one."""
+    from distill.models.causal.attention import causal_layout
+    from distill.models.causal.layout import write_causal_config
+
+    layout = causal_layout(model)
+    if layout is not None:
+        write_causal_config(folder, layout)

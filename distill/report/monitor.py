@@ -32,6 +32,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from distill.config.settings import FEW_STEP_METHODS
 from distill.data.dataset import pad_embedding
 from distill.models.pipelines import (
     decode_with_teacher_vae,
@@ -167,7 +168,7 @@ class SampleSettings:
 
     @property
     def few_step(self) -> bool:
-        return self.method == "dmd"
+        return self.method in FEW_STEP_METHODS
 
     def student_scheduler(self) -> dict[str, Any] | None:
         """A few-step student's scheduler config (what it is exported with); None = the teacher's."""

@@ -352,6 +352,15 @@ def model_card_text(
             f"{'image' if settings.takes_image else 'text'} to video only",
             f"(`{settings.pipeline_class}`, `expand_timesteps` true: a timestep per token). It has not learned {other}.",
         ]
+    if settings.chunk_frames:
+        about += [
+            "",
+            f"It is causal: its attention is block-causal over chunks of {settings.chunk_frames} latent frame(s)",
+            "(`causal_config.json`), so it streams, each chunk's frames out while the next is made, and",
+            "clips may run longer than trained: `python -m distill.generate --student FOLDER --stream",
+            '--num_frames 81 --prompt "..."` (docs/streaming.md of the wan-distill project). Stock diffusers',
+            "loads the weights as a bidirectional model, which is not what it was trained to be.",
+        ]
     body = [
         f"# Wan 2.2 {short_name(settings)} distilled student ({what})",
         "",

@@ -100,6 +100,10 @@ class RunSettings:
     teacher_kind: str | None = None
     """The teacher's model (models/teacher_kind.py short name, e.g. ti2v-5b), written for TI2V-5B
     only; None in a file: the model its pipeline_class names (WanPipeline: T2V-A14B)."""
+    chunk_frames: int | None = None
+    """A causal student's chunk (latent frames; its folder's causal_config.json says the same): it
+    streams chunk by chunk with `python -m distill.generate --stream`. None (and then not written):
+    a bidirectional student."""
     teacher_loras: list[dict[str, Any]] = field(default_factory=list)
     """The user's LoRAs fused into the teacher it was distilled against (--teacher_lora): each one's
     file, expert (transformer = high noise, transformer_2 = low noise), scale and sha256; [] for the
@@ -128,6 +132,8 @@ class RunSettings:
             del values["teacher_kind"]
         if not self.teacher_loras:
             del values["teacher_loras"]
+        if self.chunk_frames is None:
+            del values["chunk_frames"]
         return json.dumps(values, indent=2, sort_keys=True) + "\n"
 
 
@@ -197,6 +203,7 @@ def settings_from_run(
         "pipeline_class": pipeline_class_of(kind, image),
         "teacher_kind": kind.name,
         "teacher_loras": [lora.record() for lora in getattr(info, "loras", ())],
+        "chunk_frames": getattr(cfg, "student_chunk_frames", None) or None,
     }
     unknown = set(method) - {f.name for f in fields(RunSettings)}
     if unknown:

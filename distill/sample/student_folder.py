@@ -53,12 +53,16 @@ def pick_device(name: str) -> torch.device:
 
 def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dtype: torch.dtype) -> Any:
     """The exported student, checked against the teacher's model (a student of another Wan 2.2 model
-    is refused naming both) and its latent and text spaces."""
+    is refused naming both) and its latent and text spaces; causal again when its folder records a
+    chunk size (causal_config.json, distill/models/causal)."""
     from diffusers import WanTransformer3DModel
 
+    from distill.models.causal.attention import make_causal
+    from distill.models.causal.layout import read_causal_config
     from distill.models.student_config import TEACHER_EQUAL_KEYS
 
     folder = require_student_folder(folder)
+    layout = read_causal_config(folder)  # before any weight loads: a damaged record fails fast
     try:  # the kind, before any weight loads; an unreadable config.json is from_pretrained's to report
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
@@ -87,6 +91,8 @@ def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dt
             fixes=["pass the teacher the student was distilled from"],
             stage=Stage.CONFIG,
         )
+    if layout is not None:
+        make_causal(student, layout.chunk_frames)
     return student.requires_grad_(False).eval().to(device)
 
 

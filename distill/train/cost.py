@@ -109,7 +109,7 @@ class Forwards:
 def high_noise_share(cfg: TrainConfig, shift: float, boundary_ratio: float | None) -> float:
     """The share of training timesteps (and dmd score timesteps) the high-noise expert owns: uniform
     numbers shifted like the teacher's sampler (flow_matching.sample_sigmas), t >= boundary."""
-    if cfg.method == "dmd" and cfg.expert_phase != "both":
+    if cfg.trains_critic and cfg.expert_phase != "both":
         return 1.0 if cfg.expert_phase == "high" else 0.0
     if boundary_ratio is None:  # one transformer takes every timestep
         return 1.0
@@ -153,19 +153,22 @@ def update_forwards(cfg: TrainConfig, info: TeacherInfo) -> dict[str, Forwards]:
     """Per sample of a micro-batch: the forwards of each update the method runs."""
     shift = cfg.flow_shift if cfg.flow_shift is not None else info.flow_shift
     teacher = teacher_passes(cfg, high_noise_share(cfg, shift, info.boundary_ratio))
-    if cfg.method != "dmd":
+    if not cfg.trains_critic:
         velocity = Forwards()
-        velocity.add("teacher", teacher)
+        if cfg.method != "ode_init":  # ode_init regresses the cached pairs: no teacher in the step
+            velocity.add("teacher", teacher)
         velocity.add("student", 1.0, with_grad=True)
         return {"student": velocity}
     depth = rollout_depth(cfg, info.boundary_ratio)
+    # self_forcing: each finished chunk also passes once at t=0 into the KV cache (about one more clip).
+    context = 1.0 if cfg.method == "self_forcing" else 0.0
     generator = Forwards()
-    generator.add("student", depth)
+    generator.add("student", depth + context)
     generator.add("student", 2.0 if cfg.regression_weight > 0 else 1.0, with_grad=True)
     generator.add("teacher", teacher)
     generator.add("critic", 1.0)
     critic = Forwards()
-    critic.add("student", depth + 1.0)  # the rollout, then x0_hat
+    critic.add("student", depth + 1.0 + context)  # the rollout, then x0_hat
     critic.add("critic", 1.0, with_grad=True)
     return {"student": generator, "critic": critic}
 
@@ -181,7 +184,7 @@ def total_steps(cfg: TrainConfig, counts: RunCounts, world_size: int) -> int:
 def update_counts(cfg: TrainConfig, steps: int) -> dict[str, int]:
     """How many times each update runs in `steps` steps (dmd: the critic every step, the student
     every --critic_updates-th from the first)."""
-    if cfg.method != "dmd":
+    if not cfg.trains_critic:
         return {"student": steps}
     return {"student": math.ceil(steps / cfg.critic_updates), "critic": steps}
 
@@ -361,7 +364,7 @@ def _monitor_flops(
     """Sample rounds and evaluations (distill.report.monitor): the teacher references once at the start
     (a 2-step warm-up, then sample_steps, and the student's step count when it has fewer), then the
     student's rounds; every rank samples as many prompts as the busiest (they keep in step)."""
-    few_step = cfg.method == "dmd"
+    few_step = cfg.few_step
     student_steps = cfg.student_steps if few_step else cfg.sample_steps
     teacher_runs = 2 + cfg.sample_steps + (student_steps if student_steps < cfg.sample_steps else 0)
     guided = 2 if cfg.guidance_scale > 1.0 else 1

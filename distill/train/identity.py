@@ -43,6 +43,8 @@ def run_identity(
             "max_sequence_length": cfg.max_sequence_length,
         },
         "method": cfg.method,
+        # A causal student's chunks (None: bidirectional, as every checkpoint before they existed).
+        "student_chunk_frames": cfg.student_chunk_frames or None,
         **method_class(cfg.method).identity(cfg),
         **(
             {
@@ -50,7 +52,7 @@ def run_identity(
                     "rank": cfg.student_lora_rank,
                     "alpha": cfg.lora_alpha,
                     "targets": list(cfg.lora_targets),
-                    "critic_rank": cfg.critic_adapter_rank if cfg.method == "dmd" else None,
+                    "critic_rank": cfg.critic_adapter_rank if cfg.trains_critic else None,
                     **({"expert_phase": cfg.expert_phase} if cfg.expert_phase != "both" else {}),
                 }
             }

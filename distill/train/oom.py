@@ -56,7 +56,7 @@ def _oom_fixes(cfg, argv: list[str], world: int, gpu: bool) -> tuple[list[str], 
         else ""
     )
     lora = bool(cfg.student_lora_rank)
-    full_critic = lora and cfg.method == "dmd" and not cfg.critic_adapter_rank
+    full_critic = lora and cfg.trains_critic and not cfg.critic_adapter_rank
     if placement in ("auto", "gpu") and world > 1 and full_critic:
         fixes.append(
             "--critic_lora_rank 64 --teacher_placement shard: a LoRA critic instead of two more whole "

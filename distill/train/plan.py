@@ -89,7 +89,7 @@ def trained_parameters(
     student = trained * count_adapter_parameters(
         expert, LoraShape(cfg.student_lora_rank, cfg.lora_alpha, cfg.lora_targets)
     )
-    if cfg.method != "dmd":
+    if not cfg.trains_critic:
         return student, None
     rank = cfg.critic_adapter_rank
     critic = (
@@ -204,7 +204,7 @@ def step_activations(
         "the teacher's forward": teacher + grads["student"],
         "the student's forward and backward": student.peak * share + grads["student"],
     }
-    if cfg.method == "dmd":
+    if cfg.trains_critic:
         rollout = no_grad_peak(uses["student"]["no_grad"]) * share
         phases["the student's rollout"] = rollout + max(grads.values())
         critic_no_grad = 0.0
@@ -294,7 +294,7 @@ def choose_placement(
     free = torch.cuda.mem_get_info(device)[0] * HEADROOM
     options = ["gpu", "shard", "cpu"] if world_size > 1 else ["gpu", "cpu"]
     if cfg.student_lora_rank:  # the adapters train inside the experts: never streamed from the CPU
-        full_critic = cfg.method == "dmd" and not cfg.critic_adapter_rank
+        full_critic = cfg.trains_critic and not cfg.critic_adapter_rank
         options = [p for p in options if p != "cpu" and not (p == "shard" and full_critic)]
     for placement in options:
         need = estimate(

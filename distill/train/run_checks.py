@@ -3,6 +3,7 @@ teacher's kind has no use for), and what the teacher load is staggered by."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any
@@ -13,6 +14,8 @@ from distill.config.flag_rules import check_dependents, second_expert_guidance
 from distill.config.settings import TrainConfig
 from distill.models.teacher import TeacherInfo
 from distill.ops.errors import DistillError, Stage
+
+logger = logging.getLogger(__name__)
 
 
 def available_host_memory() -> int:
@@ -44,7 +47,7 @@ def check_lora_ranks(cfg: TrainConfig, expert_config: dict[str, Any]) -> None:
     width = expert_config["num_attention_heads"] * expert_config["attention_head_dim"]
     limit = min(width, expert_config["ffn_dim"])
     ranks = {"student_lora_rank": cfg.student_lora_rank}
-    if cfg.method == "dmd" and cfg.critic_adapter_rank:
+    if cfg.trains_critic and cfg.critic_adapter_rank:
         ranks["critic_lora_rank"] = cfg.critic_adapter_rank
     for flag, rank in ranks.items():
         if rank > limit:
@@ -119,3 +122,48 @@ def check_learned_frames(cfg: TrainConfig, info: TeacherInfo, image: bool) -> No
         ],
         stage=Stage.CONFIG,
     )
+
+
+def check_pretrained_shape(
+    loaded: Any, config: dict[str, Any], init: str, flag: str, name: str = "student"
+) -> None:
+    """Refuse a pretrained start (`flag` `init`) whose blocks are shaped unlike the `name` config."""
+    shape_keys = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")
+    have = {k: loaded.get(k) for k in shape_keys}
+    wanted = {k: config.get(k) for k in shape_keys}
+    if have != wanted:
+        raise DistillError(
+            f"{flag} {init} has another shape than the {name} config",
+            f"{init}: {have}\nconfig: {wanted}",
+            fixes=[f"pass a {name} config matching {init}, or another {flag}"],
+            stage=Stage.CONFIG,
+        )
+
+
+def check_causal_start(student_init: str, chunk_frames: int | None) -> None:
+    """Refuse to train a causal student's export (its causal_config.json) as a bidirectional one:
+    without --student_chunk_frames its chunk-by-chunk training would be silently undone. Another chunk
+    size than the start's is allowed (it is a choice), and said."""
+    from pathlib import Path
+
+    from distill.models.causal.layout import read_causal_config
+
+    if student_init in ("random", "teacher") or not Path(student_init).is_dir():
+        return
+    layout = read_causal_config(student_init)
+    if layout is None:
+        return
+    if not chunk_frames:
+        raise DistillError(
+            f"--student_init {student_init} is a causal student (chunks of {layout.chunk_frames} latent "
+            "frames); this run would train it bidirectionally",
+            fixes=[f"add --student_chunk_frames {layout.chunk_frames} to keep training it causal"],
+            stage=Stage.CONFIG,
+        )
+    if chunk_frames != layout.chunk_frames:
+        logger.warning(
+            "--student_init %s was trained with chunks of %d latent frames; this run uses %d",
+            student_init,
+            layout.chunk_frames,
+            chunk_frames,
+        )

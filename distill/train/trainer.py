@@ -36,6 +36,7 @@ from distill.data.prepare import (
 from distill.data.prompts import reference_prompts
 from distill.data.samples import read_training_samples
 from distill.models.attention_backend import apply_backend, log_run_kernels
+from distill.models.causal.attention import causal_checkpointing, make_causal
 from distill.models.conditioning import condition_entries
 from distill.models.guided_teacher import GuidedTeacher
 from distill.models.layout import require_weights
@@ -65,9 +66,11 @@ from distill.train.methods import method_class
 from distill.train.plan import choose_placement
 from distill.train.plan_parallel import run_plan
 from distill.train.run_checks import (
+    check_causal_start,
     check_learned_frames,
     check_lora_ranks,
     check_one_transformer_settings,
+    check_pretrained_shape,
     check_resolution,
     teacher_load_waves,
 )
@@ -122,6 +125,7 @@ class Distiller:
             )
         check_resolution(cfg, self.info, self.student_config)
         check_one_transformer_settings(cfg, self.info)
+        check_causal_start(cfg.student_init, cfg.student_chunk_frames)
         # A prompt per sample, with its image for an image-to-video teacher (read as its kind needs;
         # a dry run decodes each in full: what it passes, the real run can read).
         data, kind = cfg.data_path, self.info.kind
@@ -336,7 +340,7 @@ class Distiller:
         cfg = self.cfg
         if cfg.student_lora_rank:
             specs = {"student": (self.student_config, "lora")}
-            if cfg.method == "dmd":
+            if cfg.trains_critic:
                 specs["critic"] = (self.student_config, "lora" if cfg.critic_adapter_rank else "copy")
             return specs
         specs = {"student": (self.student_config, cfg.student_init)}
@@ -366,18 +370,13 @@ class Distiller:
             own = name != "student" and getattr(cfg, f"{name}_init", None)
             flag = f"--{name}_init" if own else "--student_init"
             model = load_pretrained_student(init, self.info.expert_config, flag=flag)
-            shape_keys = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")
-            loaded = {k: model.config.get(k) for k in shape_keys}
-            wanted = {k: config.get(k) for k in shape_keys}
-            if loaded != wanted:
-                raise DistillError(
-                    f"{flag} {init} has another shape than the {name} config",
-                    f"{init}: {loaded}\nconfig: {wanted}",
-                    fixes=[f"pass a {name} config matching {init}, or another {flag}"],
-                    stage=Stage.CONFIG,
-                )
+            check_pretrained_shape(model.config, config, init, flag, name)
+        if name == "student" and cfg.student_chunk_frames:
+            # The student kind: causal over chunks (the critic judges whole clips: it stays bidirectional).
+            make_causal(model, cfg.student_chunk_frames)
         if cfg.gradient_checkpointing:
-            model.enable_gradient_checkpointing()
+            # A causal student's recompute in backward must see its pass as the forward did.
+            model.enable_gradient_checkpointing(causal_checkpointing(model))
         apply_backend(cfg.attention_backend, model)  # before the split, which keeps it
         return split_model(self.ctx, model.to(self.device).train())
 
@@ -386,8 +385,9 @@ class Distiller:
         return self.info.latent_shape(self.cfg.height, self.cfg.width, self.cfg.num_frames)[1]
 
     def teacher_noise_for_regression(self) -> Any:
-        """prompt -> the initial noise the teacher sampled its cached clean latent from (dmd regression)."""
-        if self.cfg.method != "dmd" or not self.cfg.regression_weight:
+        """prompt -> the initial noise the teacher sampled its cached clean latent from (dmd regression,
+        ode_init: the noise -> x0 pairs)."""
+        if not method_class(self.cfg.method).needs_teacher_noise(self.cfg):
             return None
         from distill.data.prepare import prompt_seed
         from distill.models.pipelines import initial_noise

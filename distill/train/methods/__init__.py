@@ -8,6 +8,8 @@ import importlib
 METHODS = {
     "velocity": "distill.train.methods.velocity:VelocityMethod",
     "dmd": "distill.train.methods.dmd:DmdMethod",
+    "ode_init": "distill.train.methods.ode_init:OdeInitMethod",
+    "self_forcing": "distill.train.methods.self_forcing:SelfForcingMethod",
 }
 
 

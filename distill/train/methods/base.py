@@ -170,6 +170,12 @@ class Method:
         When not, the teacher samples only the --reference_prompts set before training, for metrics."""
         return True
 
+    @staticmethod
+    def needs_teacher_noise(cfg: TrainConfig) -> bool:
+        """Whether the updates read the initial noise each cached clean latent was sampled from
+        (batch["noise"]: the teacher's noise -> x0 pair)."""
+        return False
+
     def bind(self, train_models: dict[str, torch.nn.Module]) -> None:
         """Receive the models as the loop runs them (wrapped for data parallelism)."""
         self.train_models = train_models

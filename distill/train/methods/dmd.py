@@ -224,6 +224,10 @@ class DmdMethod(Method):
         only `data` inputs and the regression term read the teacher's samples."""
         return cfg.dmd_inputs == "data" or cfg.regression_weight > 0
 
+    @staticmethod
+    def needs_teacher_noise(cfg: TrainConfig) -> bool:
+        return cfg.regression_weight > 0
+
     # -- schedule of updates -------------------------------------------------------------------
     def updates(self, step: int) -> list[str]:
         """Every step trains the critic; every `critic_updates`-th (from the first) also the student, first."""
@@ -440,16 +444,21 @@ class DmdMethod(Method):
         return self.scheduler
 
     def sampling_settings(self) -> dict[str, Any]:
-        steps = self.cfg.student_steps
-        return {
-            "method": self.name,
-            "num_inference_steps": steps,
-            "guidance_scale": 1.0,
-            "scheduler": {"_class_name": type(self.scheduler).__name__, **dict(self.scheduler.config)},
-            "scheduler_note": (
-                f"{steps} steps of FlowMatchEulerDiscreteScheduler(shift={self.cfg.student_shift}, "
-                f"shift_terminal={self.cfg.student_shift_terminal}, stochastic_sampling=True) at timesteps {[round(float(t)) for t in self.timesteps]}: "
-                "the exact rollout the student was trained on; it re-noises from the global torch RNG, "
-                "so call torch.manual_seed(seed) first for a reproducible sample"
-            ),
-        }
+        return few_step_sampling(self.name, self.cfg, self.scheduler, self.timesteps)
+
+
+def few_step_sampling(name: str, cfg: TrainConfig, scheduler: Any, timesteps: torch.Tensor) -> dict[str, Any]:
+    """How a few-step student samples (Method.sampling_settings): its K steps of `scheduler`, guidance 1."""
+    steps = cfg.student_steps
+    return {
+        "method": name,
+        "num_inference_steps": steps,
+        "guidance_scale": 1.0,
+        "scheduler": {"_class_name": type(scheduler).__name__, **dict(scheduler.config)},
+        "scheduler_note": (
+            f"{steps} steps of FlowMatchEulerDiscreteScheduler(shift={cfg.student_shift}, "
+            f"shift_terminal={cfg.student_shift_terminal}, stochastic_sampling=True) at timesteps {[round(float(t)) for t in timesteps]}: "
+            "the exact rollout the student was trained on; it re-noises from the global torch RNG, "
+            "so call torch.manual_seed(seed) first for a reproducible sample"
+        ),
+    }

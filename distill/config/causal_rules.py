@@ -1,0 +1,93 @@
+"""When a causal student (--student_chunk_frames) and the methods that need one can run: refused with
+the fix before anything loads.
+
+A causal student attends block-causally over chunks of latent frames (distill/models/causal). What
+cannot work with it:
+- a LoRA student: its weights are the teacher's own experts, which also answer as the teacher (its
+  clean latents, its score); they cannot attend causally for the student and over the whole clip
+  for the teacher at once;
+- sequence parallel: the chunk-by-chunk attention needs every token of the clip on one rank;
+- a clip that is not whole chunks of latent frames.
+And --method self_forcing needs a causal student, whose own rollout is its generator's input (so
+neither dmd's `data` inputs nor its regression term on a first step from the teacher's noise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distill.ops.errors import DistillError, Stage
+
+# The Wan VAE's temporal stride, the same for every Wan 2.2 teacher: 4k+1 frames -> k+1 latent frames.
+TEMPORAL_STRIDE = 4
+
+
+def latent_frames(num_frames: int) -> int:
+    return (num_frames - 1) // TEMPORAL_STRIDE + 1
+
+
+def frame_counts(chunk: int, near: int, count: int = 3) -> list[int]:
+    """--num_frames values whose latent frames are whole chunks of `chunk`, the first `count` from `near` up."""
+    latent = max(chunk, -(-latent_frames(near) // chunk) * chunk)
+    return [(latent + i * chunk - 1) * TEMPORAL_STRIDE + 1 for i in range(count)]
+
+
+def _refuse(title: str, why: str, fix: str) -> DistillError:
+    return DistillError(title, why, fixes=[fix], stage=Stage.CONFIG)
+
+
+def check_causal_settings(cfg: Any) -> None:
+    """Refuse what a causal student (or the lack of one) cannot do; `cfg` is a TrainConfig."""
+    chunk = cfg.student_chunk_frames
+    if chunk is not None and chunk < 0:
+        raise _refuse(
+            f"--student_chunk_frames {chunk}: a chunk is a positive whole number of latent frames",
+            "Leave it out (or give 0) for a bidirectional student.",
+            "use --student_chunk_frames 3 (or 1)",
+        )
+    if cfg.method == "self_forcing":
+        if not chunk:
+            raise _refuse(
+                "--method self_forcing needs a causal student",
+                "Self-Forcing trains a student that makes the clip chunk after chunk on its own past; "
+                "a bidirectional student has no chunks to roll out.",
+                "add --student_chunk_frames 3 (latent frames per chunk; docs/streaming.md)",
+            )
+        if cfg.dmd_inputs != "simulate":
+            raise _refuse(
+                f"--dmd_inputs {cfg.dmd_inputs} cannot be combined with --method self_forcing",
+                "Self-Forcing's generator input is always the student's own chunk-by-chunk rollout.",
+                "drop --dmd_inputs",
+            )
+        if cfg.regression_weight:
+            raise _refuse(
+                "--regression_weight cannot be combined with --method self_forcing",
+                "The regression term fits one forward of the whole clip from the teacher's noise, which a "
+                "causal student never runs (it makes the clip chunk by chunk on its clean past).",
+                "drop --regression_weight; start from an --method ode_init student instead (docs/streaming.md)",
+            )
+    if not chunk:
+        return
+    if cfg.student_lora_rank:
+        raise _refuse(
+            "--student_chunk_frames cannot be combined with --student_lora_rank",
+            "A LoRA student is the teacher's own experts, which also give the teacher's clean latents and "
+            "score over the whole clip; they cannot attend causally for the student at the same time.",
+            "train a separate causal student: drop --student_lora_rank and pass --student_config and "
+            "--student_init (e.g. a bidirectional dmd student)",
+        )
+    if cfg.sequence_parallel > 1:
+        raise _refuse(
+            "--student_chunk_frames cannot be combined with --sequence_parallel",
+            "A causal student attends chunk by chunk, which needs every token of the clip on one rank.",
+            "leave --sequence_parallel at 1 (data parallel over whole clips still works)",
+        )
+    frames = latent_frames(cfg.num_frames)
+    if frames % chunk:
+        counts = ", ".join(str(n) for n in frame_counts(chunk, cfg.num_frames))
+        raise _refuse(
+            f"--num_frames {cfg.num_frames} is {frames} latent frames, not whole chunks of "
+            f"--student_chunk_frames {chunk}",
+            "A causal student makes the clip in whole chunks.",
+            f"use --num_frames {counts} (or another --student_chunk_frames)",
+        )

@@ -1,0 +1,117 @@
+"""The streaming sampler of a causal student: the clip made chunk after chunk, each one yielded as soon
+as it is clean, so its frames can be decoded and shown while the rest is still being made.
+
+    from distill.models.causal.streaming import stream_latents
+    for chunk in stream_latents(student, scheduler, 4, prompt_embeds, (16, 9, 60, 104), seed=0, window=3):
+        frames = decoder(chunk.latents)          # distill/models/causal/decode.py
+
+Chunk k (frames k*c .. k*c+c-1, c the student's chunk size) starts from its own noise and runs the
+student's few-step rollout (distill/models/few_step.py: the same scheduler, grid and stochastic step
+as the bidirectional few-step student), every forward attending to the chunks before it through the
+KV cache. Once clean, one more pass at t=0 over it adds its keys and values to the cache: later chunks
+see it as clean context, as Self-Forcing and CausVid run their students (the last chunk needs no such
+pass). `window` keeps that many past chunks in the cache and drops older ones, so a clip longer than
+the student was trained on streams with the attention span it was trained with.
+
+Randomness: one CPU generator seeded with `seed` draws the whole clip's starting noise first (the
+draw `sample_few_step` makes for the same shape), then each step's re-noising chunk by chunk, so a
+seed gives the same clip on every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distill.models.causal.attention import causal_layout, causal_pass
+from distill.models.causal.kv_cache import KVCache
+from distill.models.conditioning import Condition, condition_frames, conditioned
+from distill.models.few_step import rollout, student_grid
+from distill.models.teacher_kind import T2V_A14B, TeacherKind
+
+# The timestep of the pass that fills the cache with a finished chunk: clean context.
+CONTEXT_TIMESTEP = 0.0
+
+
+@dataclass(frozen=True)
+class StreamedChunk:
+    """One finished chunk: `latents` (B, C, frames, h, w), float32, from latent frame `first_frame`."""
+
+    index: int
+    first_frame: int
+    latents: torch.Tensor
+    last: bool
+
+
+@torch.no_grad()
+def stream_latents(
+    student: torch.nn.Module,
+    scheduler: Any,
+    steps: int,
+    prompt_embeds: torch.Tensor,
+    latent_shape: tuple[int, ...],
+    seed: int,
+    window: int | None = None,
+    kind: TeacherKind = T2V_A14B,
+    condition: Condition | None = None,
+    noise: torch.Tensor | None = None,
+    cache: KVCache | None = None,
+) -> Iterator[StreamedChunk]:
+    """Yield the chunks of a K-step (`steps`) sample of the causal `student`, in order, each as it finishes.
+
+    `latent_shape` is (C, F, h, w) with F whole chunks; `prompt_embeds` (B, L, D). `noise`
+    (B, C, F, h, w) replaces the starting noise (the re-noising stream stays the same). `condition`
+    covers the whole clip and is cut to each chunk (distill.models.conditioning.condition_frames).
+    `cache` (a fresh one by default, with `window`) is the KV cache used: pass one to look at it.
+    """
+    layout = causal_layout(student)
+    if layout is None:
+        raise ValueError(
+            "stream_latents needs a causal student (distill.models.causal.attention.make_causal)"
+        )
+    frames = latent_shape[1]
+    chunk = layout.chunk_frames
+    if not layout.whole_chunks(frames):
+        raise ValueError(f"{frames} latent frames are not whole chunks of {chunk}")
+    device = next(student.parameters()).device
+    generator = torch.Generator("cpu").manual_seed(seed)
+
+    def draw(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, dtype=torch.float32).to(device)
+
+    timesteps, sigmas = student_grid(scheduler, steps)
+    dtype = getattr(student, "dtype", torch.float32)
+    cond = prompt_embeds.to(device, dtype)
+    start_noise = draw((cond.shape[0], *latent_shape))
+    if noise is not None:
+        start_noise = noise.to(device, torch.float32).reshape(start_noise.shape)
+    cache = cache if cache is not None else KVCache(window)
+    count = frames // chunk
+    for index in range(count):
+        first = index * chunk
+        part = condition_frames(kind, condition, first, first + chunk)
+        part = part.to(device) if part is not None else None
+        with causal_pass(student, start_frame=first, cache=cache):
+            clean = rollout(
+                student,
+                start_noise[:, :, first : first + chunk],
+                cond,
+                timesteps,
+                sigmas,
+                draw,
+                kind=kind,
+                condition=part,
+            ).float()
+        last = index == count - 1
+        yield StreamedChunk(index, first, clean, last)
+        if not last:  # the clean chunk becomes context for every later one
+            with causal_pass(student, start_frame=first, cache=cache, commit=True):
+                conditioned(student, kind, part)(
+                    hidden_states=clean.to(dtype),
+                    timestep=torch.full((clean.shape[0],), CONTEXT_TIMESTEP, device=device),
+                    encoder_hidden_states=cond,
+                    return_dict=False,
+                )
