@@ -1,7 +1,7 @@
-"""Run under torchrun by tests/test_sequence_parallel.py: several training runs in one launch, each
-with --sequence_parallel 2 on the same process group (one launch instead of one per method).
+"""Run under torchrun by tests/test_sequence_parallel.py: several training runs in one launch, on the
+same process group (one launch instead of one per method), with or without --sequence_parallel.
 
-torchrun --standalone --nproc_per_node=2 tests/sequence_parallel_check.py ARGS_FILE
+torchrun --standalone --nproc_per_node=N tests/sequence_parallel_check.py ARGS_FILE
 
 ARGS_FILE holds one JSON list of runs, each a command line (a list of arguments) or
 {"argv": [...], "fault": "sigterm:2"}: that run is stopped by the fault (DISTILL_INJECT_FAULT) and
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from distill.config.cli import parse_config
+from distill.models import guided_teacher, lockstep, lora
 from distill.models.context_parallel import enable_context_parallel
 from distill.ops import distributed, watchdog
 from distill.train import sequence_parallel
@@ -23,6 +24,15 @@ from train_distillation import setup_logging
 # Sequence lengths the last block of every split transformer saw (after the split at blocks.0).
 SEEN: set[int] = set()
 SPLIT: list[str] = []
+# Token counts of the placeholder forwards this rank ran around sharded experts (distill.models.lockstep).
+PLACEHOLDERS: list[int] = []
+
+
+def counted_placeholder(hidden_states, timestep, text, patch_size, split=1):
+    """lockstep.placeholder_inputs, recording how many tokens the placeholder has."""
+    box, *rest = lockstep.placeholder_inputs(hidden_states, timestep, text, patch_size, split)
+    PLACEHOLDERS.append(box.shape[2] * box.shape[3] * box.shape[4] // (patch_size[1] * patch_size[2]))
+    return (box, *rest)
 
 
 def watch_split(model, mesh) -> int:
@@ -45,6 +55,7 @@ def watch_split(model, mesh) -> int:
 
 def main(args_file: str) -> int:
     sequence_parallel.enable_context_parallel = watch_split
+    guided_teacher.placeholder_inputs = lora.placeholder_inputs = counted_placeholder
     runs = [
         run if isinstance(run, dict) else {"argv": run} for run in json.loads(Path(args_file).read_text())
     ]
@@ -61,14 +72,17 @@ def main(args_file: str) -> int:
                 print(f"rank {ctx.rank} stopped {cfg.output_dir} by {stopped.stopped_by_signal}", flush=True)
                 SEEN.clear()
                 SPLIT.clear()
+                PLACEHOLDERS.clear()
             result = Distiller(cfg, ctx).run()
             print(
                 f"rank {ctx.rank} finished {cfg.output_dir}: {result.steps} steps, split {len(SPLIT)} "
-                f"transformer(s), their blocks saw sequence lengths {sorted(SEEN)}",
+                f"transformer(s), their blocks saw sequence lengths {sorted(SEEN)}, "
+                f"{len(PLACEHOLDERS)} placeholder forward(s) of {sorted(set(PLACEHOLDERS))} tokens",
                 flush=True,
             )
             SEEN.clear()
             SPLIT.clear()
+            PLACEHOLDERS.clear()
     finally:
         watchdog.stop()
         distributed.teardown()

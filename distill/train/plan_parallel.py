@@ -2,8 +2,7 @@
 degree that would make it fit (or a line saying none does).
 
 A degree is a candidate when the trainer would accept it (distill.train.sequence_parallel): it divides
-the ranks per node and the world size, every split model's attention heads and a sample's tokens, and
-sharded experts span one context group only. The search re-plans the run at each candidate, smallest
+the ranks per node and the world size, every split model's attention heads and a sample's tokens. The search re-plans the run at each candidate, smallest
 first, with the same placement, batch and accumulation, and names the first whose memory fits.
 """
 
@@ -80,8 +79,6 @@ class PlanInputs:
             d
             for d in range(2, local + 1)
             if not (world % d or local % d or tokens % d or any(h % d for h in heads))
-            # Sharded experts across several context groups are refused (check_placement).
-            and not (self.placement == "shard" and world // d > 1)
         ]
 
     def smallest_fitting_degree(self, capacity: float) -> DegreeFit:

@@ -136,25 +136,6 @@ def context_groups(
     return dataclasses.replace(ctx, sequence_parallel=cfg.sequence_parallel)
 
 
-def check_placement(cfg: TrainConfig, ctx: DistContext, placement: str, reason: str) -> None:
-    """Refuse sharded experts across several context groups. A group with no sample for an expert
-    joins the other groups' weight gathers on a one-token placeholder (distill/models/lockstep.py),
-    which a split expert cannot divide over its group; one group never needs a placeholder."""
-    if placement != "shard" or ctx.sequence_parallel == 1 or ctx.data_world == 1:
-        return
-    chosen = "--teacher_placement shard" if cfg.teacher_placement == "shard" else f"shard ({reason})"
-    raise _refuse(
-        f"--sequence_parallel {ctx.sequence_parallel} with {ctx.data_world} context groups cannot use "
-        f"the teacher placement {chosen} yet",
-        "A rank whose group has no sample for an expert keeps the sharded expert's gathers in step "
-        "with a one-token forward, and one token cannot be split over a context group.",
-        [
-            "--teacher_placement gpu (or cpu): a whole teacher on each rank",
-            f"or --sequence_parallel {ctx.world_size}: one context group over all ranks",
-        ],
-    )
-
-
 M = TypeVar("M", bound=torch.nn.Module | None)
 
 

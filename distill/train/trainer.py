@@ -71,7 +71,7 @@ from distill.train.run_checks import (
     check_resolution,
     teacher_load_waves,
 )
-from distill.train.sequence_parallel import check_placement, context_groups, split_model
+from distill.train.sequence_parallel import context_groups, split_model
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,6 @@ class Distiller:
         self.placement, self.placement_reason = choose_placement(
             cfg, self.info, self.student_config, self.device, self.ctx.world_size, self.critic_config
         )
-        check_placement(cfg, self.ctx, self.placement, self.placement_reason)
         self.early_models: dict[str, torch.nn.Module] = {}
         self._identity: dict[str, Any] | None = None
         # Reads the sample/eval prompt files now, so a bad path fails before anything heavy loads.
