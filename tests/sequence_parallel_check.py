@@ -53,6 +53,12 @@ def watch_split(model, mesh) -> int:
     return count
 
 
+def say(line: str) -> None:
+    """One line to stdout in one write: the ranks share the pipe, and print's separate writes of the
+    text and its newline can interleave with another rank's line."""
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
 def main(args_file: str) -> int:
     sequence_parallel.enable_context_parallel = watch_split
     guided_teacher.placeholder_inputs = lora.placeholder_inputs = counted_placeholder
@@ -69,16 +75,15 @@ def main(args_file: str) -> int:
                 os.environ["DISTILL_INJECT_FAULT"] = run["fault"]
                 stopped = Distiller(cfg, ctx).run()
                 del os.environ["DISTILL_INJECT_FAULT"]
-                print(f"rank {ctx.rank} stopped {cfg.output_dir} by {stopped.stopped_by_signal}", flush=True)
+                say(f"rank {ctx.rank} stopped {cfg.output_dir} by {stopped.stopped_by_signal}")
                 SEEN.clear()
                 SPLIT.clear()
                 PLACEHOLDERS.clear()
             result = Distiller(cfg, ctx).run()
-            print(
+            say(
                 f"rank {ctx.rank} finished {cfg.output_dir}: {result.steps} steps, split {len(SPLIT)} "
                 f"transformer(s), their blocks saw sequence lengths {sorted(SEEN)}, "
-                f"{len(PLACEHOLDERS)} placeholder forward(s) of {sorted(set(PLACEHOLDERS))} tokens",
-                flush=True,
+                f"{len(PLACEHOLDERS)} placeholder forward(s) of {sorted(set(PLACEHOLDERS))} tokens"
             )
             SEEN.clear()
             SPLIT.clear()

@@ -107,7 +107,9 @@ def launch_ranks(runs: list, tmp_path: Path, nproc: int = 2) -> subprocess.Compl
 
 
 def metric_rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """The rows of training steps (a report's row carries its eval/ metrics only)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "skipped_steps" in row]
 
 
 def trained_weights(out: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +157,10 @@ def assert_trained_alike(reference: Path, run: Path, label: str) -> None:
 # Runs of two ranks without --sequence_parallel (data parallel, batch 1 each): the references of the
 # four-rank runs in context groups of two (test_two_context_groups_of_two_train_like_two_ranks).
 DATA_PARALLEL = ("velocity", "lora")
+# Samples and the student-vs-teacher report during training, at the last step, for 3 prompts: under
+# --sequence_parallel each context group renders its share together (one prompt, or two with a
+# repeat that keeps the groups in step), and its first rank writes the files.
+MONITORED = dict(save_samples=True, sample_steps=2, sample_interval=3, eval_interval=3, eval_num_buckets=2)
 # Seed 1 draws, at each of the 3 steps, a high-noise timestep for one sample of the global batch of 2
 # and a low-noise one for the other: each group of the four-rank runs needs the expert it has no
 # sample for in the other group's forwards (seed 0 draws low-noise ones only).
@@ -176,7 +182,14 @@ def two_ranks(tiny_teacher, tmp_path_factory) -> tuple[Path, dict[str, Path], su
             "fault": "sigterm:2",
         }
     )
-    runs += [args(teachers, root / f"{m}-dp2", cache, m, seed=GROUPS_SEED) for m in DATA_PARALLEL]
+    (root / "sample_prompts.txt").write_text("a red cube\na blue sphere on grass\na green cone at night\n")
+    monitored = dict(MONITORED, sample_prompts=root / "sample_prompts.txt")
+    runs += [
+        args(
+            teachers, root / f"{m}-dp2", cache, m, seed=GROUPS_SEED, **(monitored if m == "velocity" else {})
+        )
+        for m in DATA_PARALLEL
+    ]
     return root, teachers, launch_ranks(runs, root)
 
 
@@ -216,7 +229,7 @@ def test_two_ranks_splitting_each_sample_train_like_one_process(two_ranks, capsy
 # student's own) make a group whose samples all fall on one side of the boundary join the other
 # group's forwards of the other expert on a placeholder: 2 tokens, one per rank of the group.
 GROUPS = {
-    "velocity": ({}, "velocity"),
+    "velocity": ({"monitored": True}, "velocity"),
     "shard": ({"teacher_placement": "shard"}, "velocity"),
     "lora-shard": ({"teacher_placement": "shard", "student_lora_rank": 4}, "lora"),
 }
@@ -229,9 +242,11 @@ def test_two_context_groups_of_two_train_like_two_ranks(two_ranks, tmp_path):
     ranks reads), with the teacher whole on every rank, sharded, and sharded under a LoRA student."""
     root, teachers, _ = two_ranks
     runs = []
+    monitored = dict(MONITORED, sample_prompts=root / "sample_prompts.txt")
     for name, (settings, _) in GROUPS.items():
         method = "lora" if settings.get("student_lora_rank") else "velocity"
-        extra = {k: v for k, v in settings.items() if k != "student_lora_rank"}
+        extra = {k: v for k, v in settings.items() if k not in ("student_lora_rank", "monitored")}
+        extra |= monitored if settings.get("monitored") else {}
         runs.append(
             args(
                 teachers,
@@ -257,6 +272,44 @@ def test_two_context_groups_of_two_train_like_two_ranks(two_ranks, tmp_path):
         )
         assert len(found) == 4 and {tokens for n, tokens in found if int(n)} == {"[2]"}, found
     assert proc.stderr.count("all 4 ranks hold identical") == len(GROUPS)
+    assert_same_samples_and_report(root / "velocity-dp2", tmp_path / "velocity")
+
+
+def assert_same_samples_and_report(reference: Path, run: Path) -> None:
+    """`run` wrote the same files as `reference` under samples/ and eval/ (one writer per context
+    group: no file twice, no part left behind), the same teacher references and student samples to
+    the pixel (within float noise), and the same report."""
+    import imageio.v2 as imageio
+
+    def files(out: Path) -> list[str]:
+        return sorted(
+            str(f.relative_to(out)) for f in [*(out / "samples").rglob("*"), *(out / "eval").rglob("*")]
+        )
+
+    names = files(reference)
+    assert names == files(run)
+    pictures = [n for n in names if "_prompt_" in n]
+    assert len(pictures) == 6 and all(n.endswith(".png") for n in pictures)  # 3 prompts, teacher and student
+    for name in pictures:
+        ours, theirs = (imageio.imread(out / name).astype(int) for out in (reference, run))
+        # 8-bit pixels of float outputs that agree to ~1e-6: a rounding step apart at most.
+        assert abs(ours - theirs).max() <= 1, name
+    one, two = (
+        json.loads((out / "eval" / "step_00000003" / "eval.json").read_text()) for out in (reference, run)
+    )
+    for (key, value), (_, other) in zip(flatten(one), flatten(two)):
+        if isinstance(value, float) and "seconds" not in key:  # times (and their ratios) vary
+            assert other == pytest.approx(value, rel=1e-3, abs=1e-5, nan_ok=True), key
+    assert [k for k, _ in flatten(one)] == [k for k, _ in flatten(two)]
+
+
+def flatten(tree: object, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted key, leaf) of a JSON tree, in order."""
+    if isinstance(tree, dict):
+        return [item for key, value in tree.items() for item in flatten(value, f"{prefix}{key}.")]
+    if isinstance(tree, list):
+        return [item for i, value in enumerate(tree) for item in flatten(value, f"{prefix}{i}.")]
+    return [(prefix, tree)]
 
 
 def test_one_process_is_refused_with_the_launch_that_fixes_it(tiny_teacher, tmp_path, capsys):
@@ -294,8 +347,8 @@ def test_degrees_a_run_cannot_split_by_are_refused_naming_those_it_can(tiny_teac
     assert "--sequence_parallel 1, 2 (the degrees this run can use)" in text
     text = refusal(config(4), info, {"student": 8}, world=8, per_node=8)
     assert "does not divide the 6 tokens of a sample (--height 48 --width 32 --num_frames 1)" in text
-    text = refusal(config(2, save_samples=True), info, heads, world=2, per_node=2)
-    assert "--save_samples with --sequence_parallel 2" in text and "drop --save_samples" in text
+    # Samples and evaluations during training run with it (each context group renders together).
+    check_sequence_parallel(config(2, save_samples=True, eval_interval=2), info, heads, 2, 2, launched=True)
     # The degrees named are accepted; 1 is never refused.
     check_sequence_parallel(config(2), info, heads, 8, 8, launched=True)
     check_sequence_parallel(config(1), info, heads, 1, 1, launched=False)

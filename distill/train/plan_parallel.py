@@ -161,9 +161,7 @@ def degree_line(inputs: PlanInputs) -> list[str]:
     return [
         f"  {placement} fits with --sequence_parallel {fit.degree} --gradient_accumulation_steps "
         f"{accumulation}: {fit.need / GIB:.2f} GiB per device ({groups} context group"
-        f"{'s' if groups > 1 else ''} of {fit.degree} ranks, the same global batch"
-        + ("; without --save_samples and --eval_interval" if cfg.save_samples or cfg.eval_interval else "")
-        + ")"
+        f"{'s' if groups > 1 else ''} of {fit.degree} ranks, the same global batch)"
     ]
 
 

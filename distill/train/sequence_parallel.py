@@ -101,18 +101,6 @@ def check_sequence_parallel(
             "Each rank of a context group holds tokens / N of them; uneven splits are not supported.",
             [others, "or a --height, --width or --num_frames whose token count N divides"],
         )
-    if cfg.save_samples or cfg.eval_interval:
-        flag = "--save_samples" if cfg.save_samples else f"--eval_interval {cfg.eval_interval}"
-        raise _refuse(
-            f"{flag} with --sequence_parallel {degree}: samples and evaluations during training are "
-            "not split over context groups yet",
-            "Each rank would render its own prompts through a model that expects its group's ranks to "
-            "work on the same one.",
-            [
-                f"drop {flag} (generate samples from the exported student with python -m distill.generate)",
-                "or --sequence_parallel 1",
-            ],
-        )
 
 
 def context_groups(

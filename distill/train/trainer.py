@@ -152,9 +152,10 @@ class Distiller:
             self.info,
             cfg.output_dir,
             self.device,
-            rank=self.ctx.rank,
-            world_size=self.ctx.world_size,
+            rank=self.ctx.data_rank,  # a context group (--sequence_parallel) samples as one,
+            world_size=self.ctx.data_world,
             barrier=dist_utils.barrier,
+            writes=self.ctx.rank % self.ctx.sequence_parallel == 0,  # its first rank writing the files
         )
 
     def plan(self) -> str:
