@@ -5,6 +5,7 @@ A14B teacher's sizes from its expert config: no weights, no GPU."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import torch
@@ -59,6 +60,16 @@ def test_a_720p_lora_run_that_does_not_fit_is_told_the_degree_that_does():
         "  shard fits with --sequence_parallel 2 --gradient_accumulation_steps 2: "
     ), text
     assert "4 context groups of 2 ranks" in lines[verdict + 1]
+    # With the all-to-all traffic the degree adds: what the plan of the run at that degree prints.
+    hint = re.search(
+        r"; all-to-all ([\d.]+ GB) sent per rank per step, ([\d.]+ s) at an assumed", lines[verdict + 1]
+    )
+    assert hint, lines[verdict + 1]
+    at_two = run_plan(planned, A14B, A14B_EXPERT, A14B_EXPERT, CPU, DistContext(), ("shard", "as requested"))
+    assert (
+        f"  all-to-all (--sequence_parallel 2, Ulysses): {hint[1]} sent per rank per step: {hint[2]} at an assumed"
+        in at_two
+    )
 
 
 def test_a_run_that_fits_gets_no_degree_and_one_that_no_degree_fits_is_told_so():
