@@ -252,10 +252,12 @@ def test_two_ranks_splitting_each_sample_train_like_one_process(two_ranks, capsy
 # Four ranks as two context groups of two, against two ranks without --sequence_parallel: name ->
 # (settings, the data-parallel run it must equal). Sharded experts (the teacher's, and the LoRA
 # student's own) make a group whose samples all fall on one side of the boundary join the other
-# group's forwards of the other expert on a placeholder: 2 tokens, one per rank of the group.
+# group's forwards of the other expert on a placeholder: 2 tokens, one per rank of the group. The
+# sharded run samples and evaluates too: each group renders its share of the 3 prompts with the
+# sharded teacher (one group repeating a prompt so that both run as many forwards).
 GROUPS = {
-    "velocity": ({"monitored": True}, "velocity"),
-    "shard": ({"teacher_placement": "shard"}, "velocity"),
+    "velocity": ({}, "velocity"),
+    "shard": ({"teacher_placement": "shard", "monitored": True}, "velocity"),
     "lora-shard": ({"teacher_placement": "shard", "student_lora_rank": 4}, "lora"),
 }
 
@@ -264,7 +266,9 @@ def test_two_context_groups_of_two_train_like_two_ranks(two_ranks, tmp_path):
     """DP 2 x CP 2 = DP 2: four ranks with --sequence_parallel 2 (each pair splitting its sample's 4
     tokens) log the same losses and gradient norms and end with the same weights as two ranks
     without it (batch 1 a rank: the same global batch of 2, each group reading what one of the two
-    ranks reads), with the teacher whole on every rank, sharded, and sharded under a LoRA student."""
+    ranks reads), with the teacher whole on every rank, sharded, and sharded under a LoRA student;
+    and the sharded run's samples and report during training are the two ranks' (samples under
+    --sequence_parallel: one writer per group)."""
     root, teachers, _ = two_ranks
     runs = []
     monitored = dict(MONITORED, sample_prompts=root / "sample_prompts.txt")
@@ -297,7 +301,7 @@ def test_two_context_groups_of_two_train_like_two_ranks(two_ranks, tmp_path):
         )
         assert len(found) == 4 and {tokens for n, tokens in found if int(n)} == {"[2]"}, found
     assert proc.stderr.count("all 4 ranks hold identical") == len(GROUPS)
-    assert_same_samples_and_report(root / "velocity-dp2", tmp_path / "velocity")
+    assert_same_samples_and_report(root / "velocity-dp2", tmp_path / "shard")
 
 
 def assert_same_samples_and_report(reference: Path, run: Path) -> None:
