@@ -160,8 +160,8 @@ def test_the_recipe_parses_fits_its_gpus_and_states_the_plans_memory_and_gpu_hou
 
     # The plan is the one --dry_run prints: placement named (auto would depend on the machine), bf16 teacher.
     assert cfg.teacher_placement in ("gpu", "cpu", "shard") and cfg.teacher_dtype == "bfloat16"
-    # Several GPUs shard the teacher, except where sequence parallel over several context groups
-    # (which sharded experts do not take) streams it from host RAM instead.
+    # Several GPUs shard the teacher, except 720p stage 2, split into context groups of 4, which
+    # streams it from host RAM: sharded, it would keep less than a tenth of the memory to spare.
     assert (cfg.teacher_placement == "shard") == (world > 1) or (
         cfg.teacher_placement == "cpu" and 1 < cfg.sequence_parallel < world
     )

@@ -10,7 +10,7 @@ import torch
 
 from distill.models.conditioning import Condition, model_input, model_timestep
 from distill.models.flow_matching import apply_guidance, high_noise_mask
-from distill.models.lockstep import one_token_inputs
+from distill.models.lockstep import placeholder_inputs, split_degree
 from distill.models.teacher_kind import T2V_A14B, TeacherKind
 
 
@@ -67,8 +67,8 @@ class GuidedTeacher:
         inputs stacked into one forward; an expert whose guidance is 1 runs the conditional pass
         only (uncond + 1 * (cond - uncond) is cond: the unconditional half would be thrown away).
         `experts_needed` = (high, low) says whether ANY rank needs each expert this step; in lockstep
-        mode a rank with no sample for a needed expert joins its collectives with a one-token
-        placeholder (distill/models/lockstep.py) and drops the result. With one transformer the
+        mode a rank with no sample for a needed expert joins its collectives with a placeholder of a
+        token or a few (distill/models/lockstep.py) and drops the result. With one transformer the
         second entry is ignored.
         `condition` holds what the teacher's kind adds to each sample's input (the image: mask and
         image latent, on the device); its rows go with the batch's, and the conditional and
@@ -122,14 +122,15 @@ class GuidedTeacher:
         cond: torch.Tensor,
         condition: Condition | None,
     ) -> None:
-        """A one-token forward of `expert` that keeps this rank in its collectives; the result is
-        dropped. The first sample's whole input (condition channels included), cut to one token, at
-        that token's own timestep (one per sample, or the one token's for a per-token kind)."""
+        """A placeholder forward of `expert` that keeps this rank in its collectives; the result is
+        dropped. The first sample's whole input (condition channels included), cut to one token (a
+        few when the expert is split over a context group: distill/models/lockstep.py), at the
+        sample's timestep (one per sample, or one per token for a per-token kind)."""
         first = torch.zeros(1, dtype=torch.long, device=x_t.device)
         picked = condition.select(first) if condition is not None else None
         x = model_input(self.kind, x_t[:1], picked)
         t = timesteps[:1].to(x_t.device)
-        x, _, text = one_token_inputs(x, t, cond, expert.config.patch_size)
+        x, _, text = placeholder_inputs(x, t, cond, expert.config.patch_size, split_degree(expert))
         expert(
             hidden_states=x.to(self.dtype),
             timestep=model_timestep(self.kind, t, x),

@@ -33,7 +33,7 @@ from torch import nn
 from distill.config.settings import LORA_TARGETS as DEFAULT_TARGETS
 from distill.config.settings import canonical_lora_targets
 from distill.models.flow_matching import high_noise_mask
-from distill.models.lockstep import one_token_inputs
+from distill.models.lockstep import placeholder_inputs, split_degree
 from distill.ops.distributed import any_rank
 
 EXPERTS = ("high", "low")  # transformer (t >= boundary), transformer_2
@@ -150,12 +150,14 @@ def route(
     call: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     lockstep: bool = False,
     patch_size: Sequence[int] = (1, 2, 2),
+    split: int = 1,
 ) -> torch.Tensor:
     """Run each sample through the expert of its timestep (`call(which, x, t, text)`), in batch order.
 
     `lockstep` (experts sharded over the ranks, whose forward and backward gather weights from every
     rank): whenever any rank runs an expert, every rank does, in the same order, a rank without a
-    sample for it on a one-token placeholder (distill/models/lockstep.py, `patch_size` the experts').
+    sample for it on a placeholder of one token (distill/models/lockstep.py, `patch_size` the
+    experts'), or of a multiple of `split` tokens when the experts are split over a context group.
     The placeholder's output joins the result times zero, so backward also passes through that
     expert on every rank, with zero gradient.
 
@@ -174,9 +176,8 @@ def route(
         if not present:
             continue
         if rows.numel() == 0:
-            placeholders.append(
-                call(which, *one_token_inputs(hidden_states, timestep, encoder_hidden_states, patch_size))
-            )
+            inputs = placeholder_inputs(hidden_states, timestep, encoder_hidden_states, patch_size, split)
+            placeholders.append(call(which, *inputs))
             continue
         index = rows.to(hidden_states.device)
         parts.append(
@@ -225,6 +226,7 @@ class RoutedModel(nn.Module):
                 call,
                 self.lockstep,
                 tuple(self.config.patch_size),
+                split_degree(self.expert("high")),
             ),
         )
 

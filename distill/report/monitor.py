@@ -15,9 +15,10 @@ The trainer drives one `SampleMonitor`:
 
 Every method is called on every rank. Each rank renders prompts[rank::world_size]; rank 0 builds
 the grid and the report once `barrier()` says the other ranks' files exist (the sample folder
-must be on a file system all ranks share). Only the teacher references need the teacher: they
-are computed once in `start`, so later rounds run the student alone, and the VAE is loaded for
-each decode and freed straight after.
+must be on a file system all ranks share). Under --sequence_parallel a context group renders as one
+(its models are split over it): `rank`, `world_size` count groups, and one rank of each `writes`.
+Only the teacher references need the teacher: they are computed once in `start`, so later rounds
+run the student alone, and the VAE is loaded for each decode and freed straight after.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ from distill.sample.media import (
 logger = logging.getLogger(__name__)
 
 LOSS_PLOT_MIN_SECONDS = 10.0
+POSITIVE = ("sample_interval", "sample_steps", "eval_num_buckets", "eval_samples_per_bucket", "batch_size")
 
 
 def _noop() -> None:
@@ -145,14 +147,7 @@ class SampleSettings:
 
     def validate(self) -> None:
         """Refuse values the monitor cannot work with, naming the flag to change."""
-        positive = (
-            "sample_interval",
-            "sample_steps",
-            "eval_num_buckets",
-            "eval_samples_per_bucket",
-            "batch_size",
-        )
-        for name in positive:
+        for name in POSITIVE:  # settings that must be above 0
             if getattr(self, name) <= 0:
                 raise DistillError(
                     f"--{name} must be a positive integer, got {getattr(self, name)}",
@@ -238,6 +233,7 @@ class SampleMonitor:
         rank: int = 0,
         world_size: int = 1,
         barrier: Callable[[], None] = _noop,
+        writes: bool = True,
     ) -> None:
         settings.validate()
         self.settings, self.info = settings, info
@@ -246,7 +242,8 @@ class SampleMonitor:
         self.eval_dir = self.output_dir / "eval"
         self.device = device
         self.rank, self.world_size, self.barrier = rank, world_size, barrier
-        self.is_main = rank == 0
+        self.writes = writes
+        self.is_main = rank == 0 and writes
         # Only the files a run uses are read (an image-to-video run has no default to fall back on).
         self.image_mode = data_takes_images(info.kind, settings.data_path)
         size = (info, settings.height, settings.width, self.image_mode, settings.data_path)
@@ -417,7 +414,9 @@ class SampleMonitor:
 
     def _write_round(self, step: int | None, latents: Sequence[torch.Tensor]) -> list[Path]:
         """Decode this rank's latents (VAE loaded for this only) and write them, plus latent
-        previews for rank 0's grid (hidden files, removed once the grid is drawn)."""
+        previews for rank 0's grid (hidden files, removed once the grid is drawn); none if not `writes`."""
+        if not self.writes:
+            return []
         indices = [index for index, keep in self.samples.reference.items if keep]
         for index, latent in zip(indices, latents):
             write_frames(latent_preview(latent)[None] / 255.0, self._preview_path(step, index))
@@ -472,6 +471,7 @@ class SampleMonitor:
             world_size=self.world_size,
             barrier=self.barrier,
             extra={"step": step, "teacher": str(self.info.path), "ema": ema is not None},
+            hand_in=self.writes,
         )
         if result is None:
             return EvalOutput([], {})

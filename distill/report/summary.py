@@ -205,20 +205,24 @@ def gather_and_write(
     world_size: int = 1,
     barrier: Callable[[], None] = no_barrier,
     extra: Mapping[str, Any] | None = None,
+    hand_in: bool = True,
 ) -> dict[str, Any] | None:
     """Every rank hands in its records through a file; rank 0 writes the report and returns it.
 
     Files rather than a collective: it works with any process group (or none) and the partial
-    results survive for inspection if rank 0 fails. Other ranks return None.
+    results survive for inspection if rank 0 fails. Other ranks return None. `hand_in` False: a rank
+    whose records another rank hands in (one of a context group's, which computed the same ones)
+    only waits at the barrier with the others; `rank` is then the number its records are handed in under.
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    part = output_dir / f".eval_part_rank{rank}.json"
-    tmp = part.with_name(part.name + ".tmp")
-    tmp.write_text(json.dumps(records))
-    os.replace(tmp, part)
+    if hand_in:
+        part = output_dir / f".eval_part_rank{rank}.json"
+        tmp = part.with_name(part.name + ".tmp")
+        tmp.write_text(json.dumps(records))
+        os.replace(tmp, part)
     barrier()
-    if rank != 0:
+    if rank != 0 or not hand_in:
         return None
     parts = [output_dir / f".eval_part_rank{r}.json" for r in range(world_size)]
     everything = [record for p in parts for record in json.loads(p.read_text())]

@@ -363,19 +363,21 @@ def _monitor_flops(
 ) -> float:
     """Sample rounds and evaluations (distill.report.monitor): the teacher references once at the start
     (a 2-step warm-up, then sample_steps, and the student's step count when it has fewer), then the
-    student's rounds; every rank samples as many prompts as the busiest (they keep in step)."""
+    student's rounds; every rank samples as many prompts as the busiest (they keep in step). A context
+    group (--sequence_parallel) samples as one: its ranks share each forward's FLOPs."""
+    groups = max(world_size // cfg.sequence_parallel, 1)
     few_step = cfg.few_step
     student_steps = cfg.student_steps if few_step else cfg.sample_steps
     teacher_runs = 2 + cfg.sample_steps + (student_steps if student_steps < cfg.sample_steps else 0)
     guided = 2 if cfg.guidance_scale > 1.0 else 1
     total = 0.0
     if counts.sample_prompts:
-        items = world_size * math.ceil(counts.sample_prompts / world_size)
+        items = groups * math.ceil(counts.sample_prompts / groups)
         total += items * teacher_runs * guided * forward["teacher"]
         rounds = math.ceil(steps / cfg.sample_interval)
         total += rounds * items * student_steps * forward["student"]
     if counts.eval_prompts:
-        items = world_size * math.ceil(counts.eval_prompts / world_size)
+        items = groups * math.ceil(counts.eval_prompts / groups)
         probes = cfg.eval_num_buckets * cfg.eval_samples_per_bucket
         if cfg.eval_prompts or not counts.sample_prompts:  # its own set: its own teacher references
             total += items * teacher_runs * guided * forward["teacher"]

@@ -165,6 +165,15 @@ def _seconds_text(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds >= 0.1 else f"{seconds:.2g} s"
 
 
+def traffic_summary(traffic: StepTraffic) -> str:
+    """The traffic in a few words, for the plan's line naming a degree that fits."""
+    share = traffic.seconds / traffic.compute_seconds if traffic.compute_seconds else math.inf
+    return (
+        f"all-to-all {_bytes_text(traffic.bytes)} sent per rank per step, {_seconds_text(traffic.seconds)} "
+        f"at an assumed {ALL_TO_ALL_BYTES_PER_S / 1e9:.0f} GB/s ({share:.1%} of the step's compute)"
+    )
+
+
 def traffic_lines(traffic: StepTraffic) -> list[str]:
     """The plan's lines on the all-to-all traffic (none without sequence parallel)."""
     if traffic.degree <= 1:

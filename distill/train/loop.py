@@ -553,12 +553,18 @@ class TrainingLoop:
         result.steps = self.step
 
     def _observe(self, monitor: SampleMonitor, tracker: Tracker, final: bool = False) -> None:
-        """Samples and the student-vs-teacher report when due (every rank takes part), logged on rank 0."""
+        """Samples and the student-vs-teacher report when due (every rank takes part), logged on rank 0.
+        `final` (the run has ended): a sample round of the last weights when the last step had none;
+        what was due at the last step ran with it, and is not rendered or evaluated a second time."""
         Progress.enter(Stage.TRAINING, self.step)
         watchdog.pause()
-        force_samples = final and monitor.settings.save_samples and not monitor.samples_due(self.step)
-        files = monitor.after_step(self.step, self.student, self.ema, force=force_samples)
-        report = monitor.evaluate(self.step, self.student, self.ema)
+        if final:
+            last_round = monitor.settings.save_samples and not monitor.samples_due(self.step)
+            files = monitor.after_step(self.step, self.student, self.ema, force=True) if last_round else []
+            report = None
+        else:
+            files = monitor.after_step(self.step, self.student, self.ema)
+            report = monitor.evaluate(self.step, self.student, self.ema)
         tracker.log_media(
             self.step, files + (report.files if report else []), report.metrics if report else None
         )

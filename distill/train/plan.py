@@ -6,7 +6,8 @@ Printed by `--dry_run` (and at the start of every run) so users can size GPUs be
 Weights, optimizer states and DDP's gradient buckets are counted from the configs; gradients and
 activations are measured: the real diffusers models run one step's forwards and backward on fake
 tensors at the run's sizes (distill.train.activations), and the plan takes the peak of the step's
-phases (tests/test_memory_plan.py holds it against the measured peak of real CPU training steps).
+phases (tests/test_memory_plan.py holds it against the measured peak of real CPU training steps, and
+tests/test_sequence_parallel.py against a rank's of a context group).
 Left out: what no tensor shows (the allocator's caching and fragmentation, the CUDA context, kernel
 workspaces: hence HEADROOM), the VAE that decodes sample rounds, and the methods' own latent-sized
 tensors beyond a model's input and target (a few per sample, 8.4 MB each at 480x832x81).
@@ -14,7 +15,9 @@ tensors beyond a model's input and target (a few per sample, 8.4 MB each at 480x
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +108,24 @@ def tokens_of(cfg: TrainConfig, info: TeacherInfo) -> int:
     return info.tokens(cfg.height, cfg.width, cfg.num_frames)
 
 
+def rank_latent_shape(
+    shape: tuple[int, int, int, int], patch: Sequence[int], degree: int
+) -> tuple[int, int, int, int]:
+    """A latent (C, F, H, W) holding 1/`degree` of `shape`'s tokens: what one rank of a context group
+    computes on (--sequence_parallel). Frames, then patch rows, then patch columns give up what
+    `degree` divides of them; `degree` dividing the tokens (checked before a run) is enough for their
+    product to give up all of it."""
+    channels, *sizes = shape
+    left, share = degree, []
+    for size, step in zip(sizes, patch):
+        cut = math.gcd(size // step, left)
+        share.append(size // cut)
+        left //= cut
+    if left != 1:
+        raise ValueError(f"{shape} in {tuple(patch)} patches does not split {degree} ways")
+    return (channels, *share)
+
+
 # ---------------------------------------------------------------------------------------------
 # Activations: the step's phases, each measured on the real models (distill.train.activations)
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +141,11 @@ def _uses(
     """How the step runs each model (distill.train.activations): the teacher's forward (batch doubled
     when an expert's guidance runs the unconditional pass), and the trained models' forwards without
     gradient and with it (the student's batch doubled by the dmd regression term)."""
-    shape = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
+    # Each rank of a context group computes on its share of the tokens (diffusers splits them after the
+    # patch embedding), with the whole text in every cross-attention.
+    shape = rank_latent_shape(
+        info.latent_shape(cfg.height, cfg.width, cfg.num_frames), info.patch_size, cfg.sequence_parallel
+    )
     # TI2V-5B gives every model (teacher, student, critic) a timestep per token.
     common = dict(
         latent_shape=shape, text_len=cfg.max_sequence_length, token_timesteps=info.kind.per_token_timesteps
@@ -188,31 +213,30 @@ def step_activations(
     dmd, critic update: the student generates without gradient, then the critic's forward and backward.
     Only the updated model has gradients (each optimizer step sets them to None); with accumulation
     they are there for the whole update, otherwise the measured backward allocates them.
-    --sequence_parallel N: each rank of a context group holds 1/N of every measured peak (its share
-    of the tokens); held gradients stay whole. A backward's own gradient allocation is divided too,
-    which understates that phase by up to (1 - 1/N) of the gradients.
+    --sequence_parallel N: every model is measured on one rank's share of the tokens (rank_latent_shape)
+    with the whole text, so what stays whole on each rank of a context group (the text's keys and
+    values in every cross-attention, the weights' gradients) stays whole in the plan.
     """
     uses = _uses(cfg, info, student_config, critic_config, teacher_dtype)
     student_params, critic_params = trained_parameters(cfg, info, student_config, critic_config)
     accumulating = cfg.gradient_accumulation_steps > 1
     grads = {"student": 4.0 * student_params if accumulating else 0.0}
     grads["critic"] = 4.0 * (critic_params or 0) if accumulating else 0.0
-    share = 1.0 / cfg.sequence_parallel
-    teacher = no_grad_peak(uses["teacher"]) * share
+    teacher = no_grad_peak(uses["teacher"])
     student = trained(uses["student"]["train"])
     phases = {
         "the teacher's forward": teacher + grads["student"],
-        "the student's forward and backward": student.peak * share + grads["student"],
+        "the student's forward and backward": student.peak + grads["student"],
     }
     if cfg.trains_critic:
-        rollout = no_grad_peak(uses["student"]["no_grad"]) * share
+        rollout = no_grad_peak(uses["student"]["no_grad"])
         phases["the student's rollout"] = rollout + max(grads.values())
         critic_no_grad = 0.0
         if "critic" in uses:
             critic = trained(uses["critic"]["train"])
-            critic_no_grad = no_grad_peak(uses["critic"]["no_grad"]) * share
-            phases["the critic's forward and backward"] = critic.peak * share + grads["critic"]
-        scores = student.held * share + max(teacher, critic_no_grad) + grads["student"]
+            critic_no_grad = no_grad_peak(uses["critic"]["no_grad"])
+            phases["the critic's forward and backward"] = critic.peak + grads["critic"]
+        scores = student.held + max(teacher, critic_no_grad) + grads["student"]
         phases["the scores (teacher and critic) over the student's saved activations"] = scores
         del phases["the teacher's forward"]  # it runs inside the scores phase
     phase = max(phases, key=phases.get)
@@ -414,7 +438,7 @@ def memory_plan(
         f"  activations: the peak of a micro-step, during {peak.phase}; measured on the diffusers models at "
         f"{tokens} tokens"
         + (
-            f", each rank holding 1/{cfg.sequence_parallel} of them (--sequence_parallel)"
+            f", each rank computing on 1/{cfg.sequence_parallel} of them (--sequence_parallel)"
             if cfg.sequence_parallel > 1
             else ""
         )

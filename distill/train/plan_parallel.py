@@ -2,8 +2,7 @@
 degree that would make it fit (or a line saying none does).
 
 A degree is a candidate when the trainer would accept it (distill.train.sequence_parallel): it divides
-the ranks per node and the world size, every split model's attention heads and a sample's tokens, and
-sharded experts span one context group only. The search re-plans the run at each candidate, smallest
+the ranks per node and the world size, every split model's attention heads and a sample's tokens. The search re-plans the run at each candidate, smallest
 first, with the same placement, batch and accumulation, and names the first whose memory fits.
 """
 
@@ -16,9 +15,10 @@ from typing import Any
 import torch
 
 from distill.config.settings import TrainConfig
-from distill.models.teacher import TeacherInfo
+from distill.models.teacher import TeacherInfo, resolve_dtype
 from distill.ops.distributed import DistContext
-from distill.train.cost import RunCounts
+from distill.train.cost import RunCounts, run_cost
+from distill.train.cp_traffic import StepTraffic, step_traffic, traffic_summary
 from distill.train.plan import (
     GIB,
     HEADROOM,
@@ -27,6 +27,7 @@ from distill.train.plan import (
     choose_placement,
     estimate,
     memory_plan,
+    teacher_bytes,
     tokens_of,
 )
 
@@ -67,6 +68,14 @@ class PlanInputs:
             self.local_world_size,
         ).total
 
+    def traffic(self, cfg: TrainConfig, counts: RunCounts) -> StepTraffic:
+        """The all-to-all bytes one rank sends per optimizer step of `cfg` (distill.train.cp_traffic)."""
+        dtype = resolve_dtype(cfg.teacher_dtype, self.device)
+        experts = teacher_bytes(self.info, dtype)[0]
+        args = (cfg, self.info, self.student_config, self.critic_config)
+        cost = run_cost(*args, counts, self.world_size, self.placement, experts)
+        return step_traffic(*args, cost, dtype)
+
     def usable_degrees(self) -> list[int]:
         """The degrees above 1 the trainer accepts for this run, smallest first."""
         tokens = tokens_of(self.cfg, self.info)
@@ -80,8 +89,6 @@ class PlanInputs:
             d
             for d in range(2, local + 1)
             if not (world % d or local % d or tokens % d or any(h % d for h in heads))
-            # Sharded experts across several context groups are refused (check_placement).
-            and not (self.placement == "shard" and world // d > 1)
         ]
 
     def smallest_fitting_degree(self, capacity: float) -> DegreeFit:
@@ -139,8 +146,9 @@ def smallest_fitting_degree(
     return inputs.smallest_fitting_degree(capacity)
 
 
-def degree_line(inputs: PlanInputs) -> list[str]:
-    """One line when the placement does not fit the device: the degree that fits, or that none does."""
+def degree_line(inputs: PlanInputs, counts: RunCounts) -> list[str]:
+    """One line when the placement does not fit the device: the degree that fits, with the all-to-all
+    traffic it adds (the run's `counts`), or that none does."""
     cfg, world_size, placement = inputs.cfg, inputs.world_size, inputs.placement
     if placement not in PLACEMENTS or world_size < 2:
         return []
@@ -160,13 +168,12 @@ def degree_line(inputs: PlanInputs) -> list[str]:
             f"(tried: {tried}); lower --height, --width or --num_frames"
         ]
     groups = world_size // fit.degree
-    accumulation = at_degree(cfg, fit.degree).gradient_accumulation_steps
+    planned = at_degree(cfg, fit.degree)
     return [
         f"  {placement} fits with --sequence_parallel {fit.degree} --gradient_accumulation_steps "
-        f"{accumulation}: {fit.need / GIB:.2f} GiB per device ({groups} context group"
-        f"{'s' if groups > 1 else ''} of {fit.degree} ranks, the same global batch"
-        + ("; without --save_samples and --eval_interval" if cfg.save_samples or cfg.eval_interval else "")
-        + ")"
+        f"{planned.gradient_accumulation_steps}: {fit.need / GIB:.2f} GiB per device ({groups} context group"
+        f"{'s' if groups > 1 else ''} of {fit.degree} ranks, the same global batch); "
+        + traffic_summary(inputs.traffic(planned, counts))
     ]
 
 
@@ -191,6 +198,6 @@ def run_plan(
     lines = text.splitlines()
     verdict = next(i for i, line in enumerate(lines) if line.startswith("fits "))
     hint = degree_line(
-        PlanInputs(cfg, info, student_config, critic_config, device, world, local_world, chosen[0])
+        PlanInputs(cfg, info, student_config, critic_config, device, world, local_world, chosen[0]), counts
     )
     return "\n".join([*lines[: verdict + 1], *hint, *lines[verdict + 1 :]])

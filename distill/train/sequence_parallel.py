@@ -101,18 +101,6 @@ def check_sequence_parallel(
             "Each rank of a context group holds tokens / N of them; uneven splits are not supported.",
             [others, "or a --height, --width or --num_frames whose token count N divides"],
         )
-    if cfg.save_samples or cfg.eval_interval:
-        flag = "--save_samples" if cfg.save_samples else f"--eval_interval {cfg.eval_interval}"
-        raise _refuse(
-            f"{flag} with --sequence_parallel {degree}: samples and evaluations during training are "
-            "not split over context groups yet",
-            "Each rank would render its own prompts through a model that expects its group's ranks to "
-            "work on the same one.",
-            [
-                f"drop {flag} (generate samples from the exported student with python -m distill.generate)",
-                "or --sequence_parallel 1",
-            ],
-        )
 
 
 def context_groups(
@@ -134,25 +122,6 @@ def context_groups(
     heads = {name: int(config["num_attention_heads"]) for name, config in models.items() if config}
     check_sequence_parallel(cfg, info, heads, world, per_node, launched)
     return dataclasses.replace(ctx, sequence_parallel=cfg.sequence_parallel)
-
-
-def check_placement(cfg: TrainConfig, ctx: DistContext, placement: str, reason: str) -> None:
-    """Refuse sharded experts across several context groups. A group with no sample for an expert
-    joins the other groups' weight gathers on a one-token placeholder (distill/models/lockstep.py),
-    which a split expert cannot divide over its group; one group never needs a placeholder."""
-    if placement != "shard" or ctx.sequence_parallel == 1 or ctx.data_world == 1:
-        return
-    chosen = "--teacher_placement shard" if cfg.teacher_placement == "shard" else f"shard ({reason})"
-    raise _refuse(
-        f"--sequence_parallel {ctx.sequence_parallel} with {ctx.data_world} context groups cannot use "
-        f"the teacher placement {chosen} yet",
-        "A rank whose group has no sample for an expert keeps the sharded expert's gathers in step "
-        "with a one-token forward, and one token cannot be split over a context group.",
-        [
-            "--teacher_placement gpu (or cpu): a whole teacher on each rank",
-            f"or --sequence_parallel {ctx.world_size}: one context group over all ranks",
-        ],
-    )
 
 
 M = TypeVar("M", bound=torch.nn.Module | None)

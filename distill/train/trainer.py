@@ -74,7 +74,7 @@ from distill.train.run_checks import (
     check_resolution,
     teacher_load_waves,
 )
-from distill.train.sequence_parallel import check_placement, context_groups, split_model
+from distill.train.sequence_parallel import context_groups, split_model
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,6 @@ class Distiller:
         self.placement, self.placement_reason = choose_placement(
             cfg, self.info, self.student_config, self.device, self.ctx.world_size, self.critic_config
         )
-        check_placement(cfg, self.ctx, self.placement, self.placement_reason)
         self.early_models: dict[str, torch.nn.Module] = {}
         self._identity: dict[str, Any] | None = None
         # Reads the sample/eval prompt files now, so a bad path fails before anything heavy loads.
@@ -157,9 +156,10 @@ class Distiller:
             self.info,
             cfg.output_dir,
             self.device,
-            rank=self.ctx.rank,
-            world_size=self.ctx.world_size,
+            rank=self.ctx.data_rank,  # a context group (--sequence_parallel) samples as one,
+            world_size=self.ctx.data_world,
             barrier=dist_utils.barrier,
+            writes=self.ctx.rank % self.ctx.sequence_parallel == 0,  # its first rank writing the files
         )
 
     def plan(self) -> str:
