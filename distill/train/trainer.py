@@ -36,7 +36,7 @@ from distill.data.prepare import (
 from distill.data.prompts import reference_prompts
 from distill.data.samples import read_training_samples
 from distill.models.attention_backend import apply_backend, log_run_kernels
-from distill.models.causal.attention import causal_checkpointing, make_causal
+from distill.models.causal.attention import enable_checkpointing, make_causal
 from distill.models.conditioning import condition_entries
 from distill.models.guided_teacher import GuidedTeacher
 from distill.models.layout import require_weights
@@ -376,7 +376,7 @@ class Distiller:
             make_causal(model, cfg.student_chunk_frames)
         if cfg.gradient_checkpointing:
             # A causal student's recompute in backward must see its pass as the forward did.
-            model.enable_gradient_checkpointing(causal_checkpointing(model))
+            enable_checkpointing(model)
         apply_backend(cfg.attention_backend, model)  # before the split, which keeps it
         return split_model(self.ctx, model.to(self.device).train())
 

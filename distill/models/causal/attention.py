@@ -312,3 +312,13 @@ def causal_checkpointing(model: torch.nn.Module) -> Callable[..., Any] | None:
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False)
 
     return checkpointed
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Gradient checkpointing on `model`: diffusers' own for a bidirectional model (or a routed LoRA
+    model, whose method takes no function), `causal_checkpointing` for a causal one."""
+    checkpointing = causal_checkpointing(model)
+    if checkpointing is None:
+        model.enable_gradient_checkpointing()
+    else:
+        model.enable_gradient_checkpointing(checkpointing)
