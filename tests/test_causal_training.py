@@ -346,3 +346,22 @@ def test_a_causal_start_is_not_trained_bidirectionally(tmp_path: Path) -> None:
     assert refused.value.fixes == ["add --student_chunk_frames 3 to keep training it causal"]
     check_causal_start(str(folder), 3)
     check_causal_start(str(tmp_path), None)  # a bidirectional start: nothing to keep
+
+
+def test_two_ranks_train_a_causal_student_by_self_forcing_as_one_process(
+    tiny_teacher: Path, tmp_path: Path
+) -> None:
+    """DDP with a rollout that makes several forwards carry gradient (one per chunk) before one
+    backward: 2 ranks of batch 1 give the losses and gradient norms of one process of batch 2."""
+    from test_distributed import assert_same_trajectory, launch
+
+    def args(nproc: int, batch: int) -> list[str]:
+        return causal_args(
+            tiny_teacher, tmp_path / f"n{nproc}", tmp_path / "cache", batch_size=batch, log_every=1
+        )
+
+    two = launch(args(2, 1), nproc=2).stderr
+    assert run(args(1, 2)).student_dir.is_dir()
+    keys = ("loss", "grad_norm", "critic_loss", "critic_grad_norm")
+    assert_same_trajectory([tmp_path / "n1", tmp_path / "n2"], keys=keys)
+    assert "all 2 ranks hold identical student and critic weights" in two
