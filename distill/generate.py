@@ -1,9 +1,5 @@
 """Generate images or videos with the distilled student (or with the teacher, for comparison).
 
-Longer than 500 lines because it is the one command that renders every kind of student (stock pipelines,
-LoRA adapters on the teacher, causal students streamed) under one set of flags and their rules; what
-renders lives in distill/models and distill/sample.
-
     python -m distill.generate --student outputs/run1/student \
         --teacher_path models/Wan2.2-T2V-A14B-Diffusers --prompt "a red fox in the snow" --output fox.png
     python -m distill.generate ... --num_frames 81 --output fox.mp4             # video
@@ -66,16 +62,10 @@ from distill.config.flag_rules import (
     second_expert_guidance,
 )
 from distill.models.few_step import renoising_from
-from distill.models.lora_files import is_lora_folder, lora_files
+from distill.models.lora_files import is_lora_folder
 from distill.models.pipelines import (
     check_sample_size,
-    load_scheduler,
-    load_text_components,
-    load_vae,
     preprocessed_images,
-    scheduler_from_config,
-    student_pipeline,
-    teacher_pipeline,
 )
 from distill.models.teacher import TeacherInfo, resolve_dtype
 from distill.ops.command import Parser, PathAction, entry_point, integer, number
@@ -84,6 +74,7 @@ from distill.ops.output_dir import writable_folder
 from distill.ops.paths import Kind, PathFlag, check_paths
 from distill.sample.image_inputs import collect_prompts, images_of, prompt_images, recorded_mode
 from distill.sample.media import output_paths, write_frames, write_side_by_side_gif
+from distill.sample.render_pipeline import build_pipeline
 from distill.sample.run_settings import (
     RunSettings,
     fill_left_out_flags,
@@ -94,7 +85,6 @@ from distill.sample.stream import add_stream_flags, build_streamer, check_stream
 from distill.sample.student_folder import (
     FALLBACK,
     TEACHER_GUIDANCE,
-    load_student,
     lora_student,
     pick_device,
     require_student_folder,
@@ -151,65 +141,6 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
             )
     fill_left_out_flags(args, defaults, found[1] if found else None)
     return found
-
-
-def build_pipeline(
-    args: argparse.Namespace,
-    info: TeacherInfo,
-    device: torch.device,
-    dtype: torch.dtype,
-    run: RunSettings | None = None,
-    image: bool | None = None,
-) -> Any:
-    """The teacher's stock pipeline with its shared components and the student (or the teacher's
-    experts, or its one transformer). `image` picks the mode of a teacher with two (TI2V-5B: True
-    for WanImageToVideoPipeline); None: the teacher's own.
-
-    The student samples with its run's own scheduler when the run recorded one, else the teacher's.
-    """
-    from distill.models.teacher import load_experts
-
-    lora = not args.teacher_only and is_lora_folder(args.student)
-    if not args.teacher_only and not lora:
-        student = load_student(args.student, info, device, dtype)  # first: a bad --student fails fast
-    tokenizer, text_encoder = load_text_components(info.path, device, dtype)
-    shared = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": load_vae(info.path, device)}
-    if args.teacher_only or lora:
-        high, low = (None if e is None else e.to(device) for e in load_experts(info, dtype))
-        pipe = teacher_pipeline(
-            high, low, info.boundary_ratio, load_scheduler(info.path), info.kind, image=image, **shared
-        )
-        if not lora:
-            return pipe
-        # A LoRA run: the teacher with its adapters, loaded as stock diffusers loads them (the folder
-        # was checked whole before anything loaded: distill.models.lora_folder).
-        folder = str(args.student)
-        try:
-            # one file per expert: high_noise_lora / low_noise_lora, or TI2V-5B's one lora.safetensors
-            files = lora_files(("high",) if low is None else ("high", "low"))
-            pipe.load_lora_weights(folder, weight_name=files["high"], adapter_name="fast")
-            if low is not None:
-                pipe.load_lora_weights(
-                    folder, weight_name=files["low"], adapter_name="fast_2", load_into_transformer_2=True
-                )
-        except (ValueError, RuntimeError, KeyError, OSError) as exc:
-            text = str(exc).strip().splitlines()
-            raise DistillError(
-                f"diffusers cannot load the LoRA adapters in {folder}",
-                f"{type(exc).__name__}: {text[0] if text else ''}",
-                causes=["a LoRA file written by another tool, in keys diffusers does not convert"],
-                fixes=["pass the lora/ folder a LoRA run of train_distillation.py wrote"],
-                stage=Stage.CONFIG,
-            ) from None
-    if run is not None and run.scheduler:
-        scheduler = scheduler_from_config(run.scheduler)
-        logger.info("the student samples with its run's %s (%s)", type(scheduler).__name__, run.method)
-    else:
-        scheduler = load_scheduler(info.path)
-    if lora:
-        pipe.scheduler = scheduler
-        return pipe
-    return student_pipeline(student, scheduler, info.kind, image=image, **shared)
 
 
 def check_counts(args: argparse.Namespace) -> None:

@@ -1,0 +1,88 @@
+"""The pipeline `generate` renders with: the teacher's stock pipeline with its shared components and
+the student, a LoRA folder's adapters on the teacher, or the teacher alone (--teacher_only).
+
+    from distill.sample.render_pipeline import build_pipeline
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import torch
+
+from distill.models.lora_files import is_lora_folder, lora_files
+from distill.models.pipelines import (
+    load_scheduler,
+    load_text_components,
+    load_vae,
+    scheduler_from_config,
+    student_pipeline,
+    teacher_pipeline,
+)
+from distill.models.teacher import TeacherInfo
+from distill.ops.errors import DistillError, Stage
+from distill.sample.run_settings import RunSettings
+from distill.sample.student_folder import load_student
+
+logger = logging.getLogger(__name__)
+
+
+def build_pipeline(
+    args: argparse.Namespace,
+    info: TeacherInfo,
+    device: torch.device,
+    dtype: torch.dtype,
+    run: RunSettings | None = None,
+    image: bool | None = None,
+) -> Any:
+    """The teacher's stock pipeline with its shared components and the student (or the teacher's
+    experts, or its one transformer). `image` picks the mode of a teacher with two (TI2V-5B: True
+    for WanImageToVideoPipeline); None: the teacher's own.
+
+    The student samples with its run's own scheduler when the run recorded one, else the teacher's.
+    """
+    from distill.models.teacher import load_experts
+
+    lora = not args.teacher_only and is_lora_folder(args.student)
+    if not args.teacher_only and not lora:
+        student = load_student(args.student, info, device, dtype)  # first: a bad --student fails fast
+    tokenizer, text_encoder = load_text_components(info.path, device, dtype)
+    shared = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": load_vae(info.path, device)}
+    if args.teacher_only or lora:
+        high, low = (None if e is None else e.to(device) for e in load_experts(info, dtype))
+        pipe = teacher_pipeline(
+            high, low, info.boundary_ratio, load_scheduler(info.path), info.kind, image=image, **shared
+        )
+        if not lora:
+            return pipe
+        # A LoRA run: the teacher with its adapters, loaded as stock diffusers loads them (the folder
+        # was checked whole before anything loaded: distill.models.lora_folder).
+        folder = str(args.student)
+        try:
+            # one file per expert: high_noise_lora / low_noise_lora, or TI2V-5B's one lora.safetensors
+            files = lora_files(("high",) if low is None else ("high", "low"))
+            pipe.load_lora_weights(folder, weight_name=files["high"], adapter_name="fast")
+            if low is not None:
+                pipe.load_lora_weights(
+                    folder, weight_name=files["low"], adapter_name="fast_2", load_into_transformer_2=True
+                )
+        except (ValueError, RuntimeError, KeyError, OSError) as exc:
+            text = str(exc).strip().splitlines()
+            raise DistillError(
+                f"diffusers cannot load the LoRA adapters in {folder}",
+                f"{type(exc).__name__}: {text[0] if text else ''}",
+                causes=["a LoRA file written by another tool, in keys diffusers does not convert"],
+                fixes=["pass the lora/ folder a LoRA run of train_distillation.py wrote"],
+                stage=Stage.CONFIG,
+            ) from None
+    if run is not None and run.scheduler:
+        scheduler = scheduler_from_config(run.scheduler)
+        logger.info("the student samples with its run's %s (%s)", type(scheduler).__name__, run.method)
+    else:
+        scheduler = load_scheduler(info.path)
+    if lora:
+        pipe.scheduler = scheduler
+        return pipe
+    return student_pipeline(student, scheduler, info.kind, image=image, **shared)
