@@ -20,7 +20,7 @@ results.json, one row each:
   lost inside the picture; motion ratio = speed per frame against the world's;
 - `world through the VAE, 3x`: the world's own right streams encoded and decoded by the teacher's VAE,
   the best any student's latents can read back as. The toy VAE was fitted on 9-frame clips only, and
-  its causal decoder does not carry on past them: this row reads 0.06 accuracy, identity 0.00, motion
+  its causal decoder does not carry on past them: this row reads 0.07 accuracy, identity 0.00, motion
   0.47, so the toy world cannot show whether a student streams 3x right (docs/streaming.md).
 
 `first_frame_share` is the time until a stream's first chunk is decoded over the stream's whole time.
@@ -51,7 +51,7 @@ from distill.toy.world import CLIP_FRAMES, scene_for
 
 # The recipe (see docs/streaming.md for what else was tried and what it gave).
 CHUNK = 1
-ODE_STEPS, ODE_LR = 100, 1e-4
+ODE_STEPS, ODE_LR = 400, 1e-4
 SELF_FORCING_STEPS, SELF_FORCING_LR, CRITIC_LR = 40, 3e-5, 3e-4
 MAX_PROMPTS = 128
 

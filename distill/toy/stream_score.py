@@ -34,7 +34,7 @@ speed from the whole track's length, and wants a shape in every frame. Here, ins
 Streams whose shape shows in fewer than 3 frames have no track: their speed counts as 0.
 
 What a decoded stream can score is bounded by the VAE that decodes it: the shipped toy VAE was fitted
-on CLIP_FRAMES-frame clips, and its round trip of the world's own right 33-frame streams reads 0.06
+on CLIP_FRAMES-frame clips, and its round trip of the world's own right 33-frame streams reads 0.07
 accuracy and 0.00 identity (docs/streaming.md), so a student's 3x stream decoded by it is judged
 against that floor, not against these right streams alone.
 """
