@@ -135,7 +135,7 @@ toy-stage1-clips: $(STAMP)
 
 # A causal streaming student of the toy clip teacher (ode_init then self_forcing from the shipped dmd
 # clip student), streamed at 9 and 33 frames and scored (distill/toy/causal_students.py, the table in
-# docs/streaming.md; ~8 min on 2 cores). Not a proof: it misses the issue's bars (see that page).
+# docs/streaming.md; ~13 min on 2 cores). Not a proof: the toy VAE cannot judge its 3x stream (that page).
 toy-causal: $(STAMP)
 	rm -rf outputs/toy-causal
 	$(DEMO_ENV) $(PY) -m distill.toy.causal_students --output_dir outputs/toy-causal

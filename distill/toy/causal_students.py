@@ -53,7 +53,7 @@ from distill.toy.world import CLIP_FRAMES, scene_for
 CHUNK = 1
 ODE_STEPS, ODE_LR = 400, 1e-4
 SELF_FORCING_STEPS, SELF_FORCING_LR, CRITIC_LR = 40, 3e-5, 3e-4
-MAX_PROMPTS = 128
+MAX_PROMPTS = 512
 
 SHIPPED_DMD = Path(__file__).resolve().parents[2] / "assets" / "toy_student_clips_dmd"
 COMMON = [
