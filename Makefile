@@ -18,7 +18,7 @@ SEED ?= 0
 # runs (the teacher-latent cache took 21 s against 3 min beside another job).
 DEMO_ENV := OMP_NUM_THREADS=1
 
-.PHONY: demo demo-clips demo-i2v demo-user-lora test proofs gpu-check lint format clean toy-stage1 toy-stage1-clips
+.PHONY: demo demo-clips demo-i2v demo-user-lora test proofs gpu-check lint format clean toy-stage1 toy-stage1-clips toy-causal
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -132,6 +132,13 @@ toy-stage1: $(STAMP)
 # The same stage 1 on the moving world's clips (assets/toy_student_clips_stage1/; ~20 min on one core).
 toy-stage1-clips: $(STAMP)
 	$(PY) -m distill.toy.stage_one --retrain --clips
+
+# A causal streaming student of the toy clip teacher (ode_init then self_forcing from the shipped dmd
+# clip student), streamed at 9 and 33 frames and scored (distill/toy/causal_students.py, the table in
+# docs/streaming.md; ~13 min on 2 cores). Not a proof: the toy VAE cannot judge its 3x stream (that page).
+toy-causal: $(STAMP)
+	rm -rf outputs/toy-causal
+	$(DEMO_ENV) $(PY) -m distill.toy.causal_students --output_dir outputs/toy-causal
 
 # The suite on both cores (pytest-xdist; the failure scenarios are rehearsed under load on purpose,
 # see distill/stress.py), the error-handling scenarios of test_error_handling.py among them (it also

@@ -116,9 +116,14 @@ def render_batch(scenes: Sequence[Scene], size: int = 32) -> np.ndarray:
     return np.stack([render(scene, size) for scene in scenes])
 
 
+def render_track(scene: Scene, centres: np.ndarray, size: int = 32) -> np.ndarray:
+    """`scene`'s shape drawn at each centre of `centres` (frames, 2), (frames, size, size, 3) float32."""
+    return np.stack([_paint(scene, coverage(scene, size, tuple(at))) for at in centres])
+
+
 def render_clip(scene: Scene, size: int = 32, frames: int = CLIP_FRAMES) -> np.ndarray:
     """The clip of `scene`, (frames, size, size, 3) float32 in [0, 1]."""
-    return np.stack([_paint(scene, coverage(scene, size, tuple(at))) for at in track(scene, frames)])
+    return render_track(scene, track(scene, frames), size)
 
 
 def render_clips(scenes: Sequence[Scene], size: int = 32, frames: int = CLIP_FRAMES) -> np.ndarray:

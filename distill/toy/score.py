@@ -103,6 +103,8 @@ class Reading:
     sqrt(area) / width; hue: hue minus the named colour's hue (turns). Empty without a shape."""
     centre: tuple[float, float] | None = None
     """The shape's centroid (x, y) in picture fractions; None without a shape."""
+    extent: tuple[float, float] | None = None
+    """The shape's soft width and height in picture fractions; None without a shape."""
 
 
 def _nearest(value: np.ndarray, table: dict[str, np.ndarray]) -> str:
@@ -137,7 +139,8 @@ def read(image: np.ndarray) -> Reading:
     weights = alpha * mask
     # Soft extent: a column (row) half covered counts as half a pixel of width (height), so small
     # anti-aliased shapes measure like large ones.
-    aspect = float(weights.max(axis=0).sum() / weights.max(axis=1).sum())
+    soft_width, soft_height = float(weights.max(axis=0).sum()), float(weights.max(axis=1).sum())
+    aspect = soft_width / soft_height
     shape = "bar" if aspect > _WIDE else "column" if aspect < 1.0 / _WIDE else "square"
     grid_y, grid_x = np.mgrid[0:height, 0:width]
     cx = float((weights * (grid_x + 0.5)).sum() / weights.sum()) / width
@@ -153,6 +156,7 @@ def read(image: np.ndarray) -> Reading:
             "hue": hue_shift,
         },
         (cx, cy),
+        (soft_width / width, soft_height / height),
     )
 
 
