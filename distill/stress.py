@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,13 +264,16 @@ def environment(fault: str | None) -> dict[str, str]:
     return env
 
 
-def command(nproc: int, flags: dict[str, str]) -> list[str]:
+# torchrun as users start it.
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+
+
+def command(nproc: int, flags: dict[str, str], launcher: Sequence[str] = TORCHRUN) -> list[str]:
     script = [str(REPO / "train_distillation.py"), *(item for pair in flags.items() for item in pair)]
     if nproc == 1:
         return [sys.executable, *script]
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     # A rank left waiting for a dead or hung peer is SIGKILLed this long after the first exit.
-    return [sys.executable, *launcher, "--shutdown-timeout=5", *script]
+    return [*launcher, "--standalone", f"--nproc_per_node={nproc}", "--shutdown-timeout=5", *script]
 
 
 def train_flags(workdir: Path, output_dir: Path, extra: dict[str, str]) -> dict[str, str]:
@@ -292,17 +295,26 @@ def train_flags(workdir: Path, output_dir: Path, extra: dict[str, str]) -> dict[
     }
 
 
-def run_trainer(nproc: int, flags: dict[str, str], output_dir: Path, fault: str | None) -> Outcome:
+def run_trainer(
+    nproc: int, flags: dict[str, str], output_dir: Path, fault: str | None, launcher: Sequence[str] = TORCHRUN
+) -> Outcome:
     proc = subprocess.run(
-        command(nproc, flags), env=environment(fault), capture_output=True, text=True, timeout=300, cwd=REPO
+        command(nproc, flags, launcher),
+        env=environment(fault),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
     )
     return Outcome(proc.returncode, proc.stdout, proc.stderr, output_dir)
 
 
-def resume_problems(nproc: int, flags: dict[str, str], output_dir: Path) -> list[str]:
+def resume_problems(
+    nproc: int, flags: dict[str, str], output_dir: Path, launcher: Sequence[str] = TORCHRUN
+) -> list[str]:
     """The same command, without the fault: it must finish from what the failure left."""
     had = Outcome(0, "", "", output_dir).checkpoints()
-    resumed = run_trainer(nproc, flags, output_dir, fault=None)
+    resumed = run_trainer(nproc, flags, output_dir, fault=None, launcher=launcher)
     problems = []
     if resumed.returncode != 0:
         kept = keep_stderr(resumed, "resume")
@@ -326,8 +338,13 @@ def prepare(workdir: Path) -> Path:
     return workdir
 
 
-def run_scenario(scenario: Scenario, workdir: Path, index: int) -> list[str]:
-    """One run of `scenario` and its resume; the problems found (empty: as expected)."""
+def run_scenario(
+    scenario: Scenario, workdir: Path, index: int, resume_launcher: Sequence[str] = TORCHRUN
+) -> list[str]:
+    """One run of `scenario` and its resume; the problems found (empty: as expected). The failing run
+    is always launched as users launch; `resume_launcher` starts the resume of a multi-rank scenario
+    (the suite's warm torchrun, tests/warm_torchrun.py: the resume checks what the checkpoint folder
+    holds, not how its ranks start)."""
     output_dir = workdir / f"{scenario.name}-{index}"
     shutil.rmtree(output_dir, ignore_errors=True)
     flags = train_flags(workdir, output_dir, scenario.flags)
@@ -336,7 +353,7 @@ def run_scenario(scenario: Scenario, workdir: Path, index: int) -> list[str]:
     if problems:
         kept = keep_stderr(outcome, "run")
         return [*problems, f"--- stderr (end; all of it: {kept}):\n{outcome.stderr[-3000:]}"]
-    return resume_problems(scenario.nproc, flags, output_dir)
+    return resume_problems(scenario.nproc, flags, output_dir, resume_launcher)
 
 
 def keep_stderr(outcome: Outcome, name: str) -> Path:
@@ -406,10 +423,12 @@ def stress(
     hog: str,
     workdir: Path,
     say: Callable[[str], None] = print,
+    resume_launcher: Sequence[str] = TORCHRUN,
 ) -> int:
     """Run each scenario `runs` times; returns the number of runs that did not end as expected.
 
     A busy process on every core runs beside the runs `hog` selects ("always", "alternate", "never").
+    `resume_launcher`: see run_scenario.
     """
     prepare(workdir)
     failures = 0
@@ -422,7 +441,7 @@ def stress(
                 if name == CHECKPOINT_KILL:
                     problems = kill_during_checkpoint(workdir, index)
                 else:
-                    problems = run_scenario(SCENARIOS[name], workdir, index)
+                    problems = run_scenario(SCENARIOS[name], workdir, index, resume_launcher)
             if problems:
                 failed += 1
                 say(f"  {name} run {index + 1} ({'with' if busy else 'without'} CPU hog) FAILED:")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -177,6 +178,12 @@ def toy_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Multi-rank launches: the runs that check what training computes (N ranks equal one process, sharded
+# equals whole) start their ranks warm (tests/warm_torchrun.py: torchrun itself, each rank forked after
+# the imports, ~5 CPU-s a rank saved); the runs that check failures launch as users do.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+WARM_TORCHRUN = [sys.executable, str(REPO / "tests" / "warm_torchrun.py")]
 
 
 def repo_pythonpath() -> str:

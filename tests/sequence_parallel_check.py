@@ -89,7 +89,8 @@ def say(line: str) -> None:
     os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
-def main(args_file: str) -> int:
+def main() -> int:
+    args_file = sys.argv[1]
     sequence_parallel.enable_context_parallel = watch_split
     guided_teacher.placeholder_inputs = lora.placeholder_inputs = counted_placeholder
     runs = [
@@ -128,4 +129,4 @@ def main(args_file: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main())

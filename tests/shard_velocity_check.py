@@ -105,7 +105,8 @@ def check_lora(info, ctx, x, t, cond) -> bool:
     return worst < 1e-5 and worst_grad < 1e-5
 
 
-def main(teacher_dir: str) -> int:
+def main() -> int:
+    teacher_dir = sys.argv[1]
     ctx = distributed.setup("gloo", "cpu")
     info = inspect_teacher(teacher_dir)
     gen = torch.Generator().manual_seed(10 + ctx.rank)
@@ -122,4 +123,4 @@ def main(teacher_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main())

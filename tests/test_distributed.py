@@ -1,4 +1,4 @@
-"""Data parallelism on CPU with the real torchrun (gloo): same result as one process, shared caches."""
+"""Data parallelism on CPU under torchrun (gloo; its ranks started warm, tests/warm_torchrun.py): same result as one process, shared caches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, repo_pythonpath, train_args
+from conftest import REPO, WARM_TORCHRUN, repo_pythonpath, train_args
 
 from train_distillation import main
 
@@ -17,7 +17,7 @@ def launch(args, nproc=None):
     env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     env.pop("DISTILL_INJECT_FAULT", None)
     if nproc:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        command = [*WARM_TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"]
     else:
         command = [sys.executable]
     proc = subprocess.run(

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, preempt_then_finish, repo_pythonpath, train_args
+from conftest import REPO, TORCHRUN, WARM_TORCHRUN, preempt_then_finish, repo_pythonpath, train_args
 from PIL import Image
 from safetensors.torch import load_file
 from test_distributed import assert_same_trajectory
@@ -83,7 +83,7 @@ def run_process(
     env.pop("DISTILL_INJECT_FAULT", None)
     if fault:
         env["DISTILL_INJECT_FAULT"] = fault
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher = [*(TORCHRUN if fault else WARM_TORCHRUN), "--standalone", f"--nproc_per_node={nproc}"]
     command = [*(launcher if nproc else [sys.executable]), str(REPO / "train_distillation.py")]
     return subprocess.run(
         [*command, *map(str, args)], capture_output=True, text=True, env=env, timeout=240, cwd=REPO

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, repo_pythonpath, train_args
+from conftest import REPO, TORCHRUN, WARM_TORCHRUN, repo_pythonpath, train_args
 from safetensors.torch import load_file
 
 from distill.config.cli import parse_config
@@ -28,8 +28,6 @@ from distill.train.trainer import Distiller
 from train_distillation import main
 
 pytestmark = pytest.mark.long  # a minute or more in all: scheduled first (conftest.py)
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def run_inprocess(args):
@@ -49,8 +47,9 @@ def run_process(args, fault=None, nproc=None, launcher_args=()):
     if fault:
         env["DISTILL_INJECT_FAULT"] = fault
     if nproc:
+        # A run that checks a failure launches as users do; the others start their ranks warm (conftest).
         command = [
-            *TORCHRUN,
+            *(TORCHRUN if fault or launcher_args else WARM_TORCHRUN),
             *(launcher_args or ["--standalone"]),
             f"--nproc_per_node={nproc}",
             "--shutdown-timeout=10",

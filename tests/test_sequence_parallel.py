@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, repo_pythonpath, train_args
+from conftest import REPO, WARM_TORCHRUN, repo_pythonpath, train_args
 from safetensors.torch import load_file
 from test_i2v_training import write_pairs
 
@@ -88,9 +87,7 @@ def launch_ranks(runs: list, tmp_path: Path, nproc: int = 2) -> subprocess.Compl
     args_file.write_text(json.dumps(strings))
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
+            *WARM_TORCHRUN,
             "--standalone",
             f"--nproc_per_node={nproc}",
             str(REPO / "tests" / "sequence_parallel_check.py"),

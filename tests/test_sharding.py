@@ -6,15 +6,12 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 
-from conftest import REPO, repo_pythonpath, train_args
+from conftest import REPO, WARM_TORCHRUN, repo_pythonpath, train_args
 from test_distributed import assert_same_trajectory
 from test_teacher_lora import write_user_lora
 
 from train_distillation import main
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def env() -> dict[str, str]:
@@ -32,7 +29,7 @@ def run(command: list[str]) -> subprocess.CompletedProcess:
 def test_sharded_experts_give_the_same_results_with_one_token_placeholders(tiny_teacher):
     proc = run(
         [
-            *TORCHRUN,
+            *WARM_TORCHRUN,
             "--standalone",
             "--nproc_per_node=2",
             str(REPO / "tests" / "shard_velocity_check.py"),
@@ -64,7 +61,7 @@ def run_two_nodes(
     nodes = [
         subprocess.Popen(
             [
-                *TORCHRUN,
+                *WARM_TORCHRUN,
                 "--nnodes=2",
                 f"--node-rank={rank}",
                 f"--nproc_per_node={sizes[rank]}",
@@ -126,7 +123,7 @@ def test_a_sharded_teacher_trains_as_a_whole_one_on_one_node_and_on_two(tiny_tea
             **common,
         )
 
-    launcher = [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
+    launcher = [*WARM_TORCHRUN, "--standalone", "--nproc_per_node=2"]
     flat = run([*launcher, str(REPO / "train_distillation.py"), *map(str, args("flat", 2))])
     assert "teacher sharded over all 2 ranks" in flat.stderr
     assert "style_high_noise.safetensors into the teacher's" in flat.stderr, flat.stderr[-3000:]

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import WARM_TORCHRUN
 
 from distill import stress
 
@@ -31,7 +32,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("name", [*stress.SCENARIOS, stress.CHECKPOINT_KILL])
 def test_the_scenario_ends_the_same_way_every_time(workdir, name):
     report: list[str] = []
-    failures = stress.stress([name], 1, "never", workdir, say=report.append)
+    failures = stress.stress([name], 1, "never", workdir, say=report.append, resume_launcher=WARM_TORCHRUN)
     assert failures == 0, "\n".join(report)
     assert report[-1].startswith(f"{name}: 1 of 1 runs as expected")
 
