@@ -298,14 +298,8 @@ def train_flags(workdir: Path, output_dir: Path, extra: dict[str, str]) -> dict[
 def run_trainer(
     nproc: int, flags: dict[str, str], output_dir: Path, fault: str | None, launcher: Sequence[str] = TORCHRUN
 ) -> Outcome:
-    proc = subprocess.run(
-        command(nproc, flags, launcher),
-        env=environment(fault),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    line = command(nproc, flags, launcher)
+    proc = subprocess.run(line, env=environment(fault), capture_output=True, text=True, timeout=300, cwd=REPO)
     return Outcome(proc.returncode, proc.stdout, proc.stderr, output_dir)
 
 
@@ -341,10 +335,8 @@ def prepare(workdir: Path) -> Path:
 def run_scenario(
     scenario: Scenario, workdir: Path, index: int, resume_launcher: Sequence[str] = TORCHRUN
 ) -> list[str]:
-    """One run of `scenario` and its resume; the problems found (empty: as expected). The failing run
-    is always launched as users launch; `resume_launcher` starts the resume of a multi-rank scenario
-    (the suite's warm torchrun, tests/warm_torchrun.py: the resume checks what the checkpoint folder
-    holds, not how its ranks start)."""
+    """One run of `scenario` (launched as users launch) and its resume, whose multi-rank launch
+    `resume_launcher` starts (the suite's: tests/warm_torchrun.py); the problems found (none: as expected)."""
     output_dir = workdir / f"{scenario.name}-{index}"
     shutil.rmtree(output_dir, ignore_errors=True)
     flags = train_flags(workdir, output_dir, scenario.flags)
