@@ -188,3 +188,46 @@ def test_a_chunk_over_the_whole_clip_streams_the_few_step_sample_with_the_image(
     torch.testing.assert_close(chunk.latents, whole, rtol=0, atol=1e-5)
     if kind == TI2V_5B:  # the image's latent frame held at frame 0, as the bidirectional sampler holds it
         torch.testing.assert_close(chunk.latents[:, :, :1], condition.channels, rtol=0, atol=0)
+
+
+def test_a_causal_students_in_run_samples_are_its_streams(tiny_teacher: Path) -> None:
+    """The samples and evaluations of a run (distill.report.measures.student_sampler, which the sample
+    monitor and the report call) make a causal student's clip as `generate --stream` makes it, chunk
+    after chunk on its KV cache, not in one rollout of the whole clip; a bidirectional student keeps
+    sample_few_step."""
+    from distill.models.pipelines import scheduler_from_config
+    from distill.report.measures import EvalSettings, student_sampler
+
+    info = inspect_teacher(str(tiny_teacher))
+    scheduler = few_step_scheduler(5.0)
+    settings = EvalSettings(
+        height=64,
+        width=64,
+        num_frames=4 * (FRAMES - 1) + 1,
+        seed=5,
+        student_steps=2,
+        student_scheduler={"_class_name": type(scheduler).__name__, **dict(scheduler.config)},
+    )
+    shape = info.latent_shape(settings.height, settings.width, settings.num_frames)
+    assert shape == (16, FRAMES, 8, 8)
+    _, text = inputs()
+    conds = {0: text[0], 1: inputs(1)[1][0]}
+    scheduler = scheduler_from_config(settings.student_scheduler)
+    model = causal_expert(tiny_teacher, 3)
+    for index in conds:
+        sampled = student_sampler(model, info, conds, settings)(index, 2)
+        streamed = torch.cat(
+            [
+                c.latents
+                for c in stream_latents(model, scheduler, 2, conds[index][None], shape, seed=5 + index)
+            ],
+            2,
+        )
+        whole = sample_few_step(model, scheduler, 2, conds[index][None], shape, 5 + index)
+        torch.testing.assert_close(sampled, streamed[0])
+        assert (sampled - whole[0]).abs().max() > 1e-3  # the whole clip at once is another sample
+    bidirectional = load_expert(info, "transformer", torch.float32)
+    torch.testing.assert_close(
+        student_sampler(bidirectional, info, conds, settings)(0, 2),
+        sample_few_step(bidirectional, scheduler, 2, conds[0][None], shape, 5)[0],
+    )

@@ -443,8 +443,9 @@ def student_sampler(
     """`run(prompt index, steps) -> final latent (C, F, h, w)` of the student at guidance 1, from the
     teacher's starting noise: in WanPipeline (WanImageToVideoPipeline from the prompt's image, with
     `vae`) with the teacher's scheduler, or, for a few-step student, with its own scheduler (the
-    rollout it was trained on, re-noising from seed + index)."""
-    from distill.models.few_step import sample_few_step
+    rollout it was trained on, re-noising from seed + index; a causal student streams it chunk by
+    chunk)."""
+    from distill.models.causal.streaming import few_step_sampler
     from distill.models.pipelines import scheduler_from_config
 
     shape = info.latent_shape(settings.height, settings.width, settings.num_frames)
@@ -460,12 +461,13 @@ def student_sampler(
         return run
 
     scheduler = scheduler_from_config(settings.student_scheduler)
+    sample = few_step_sampler(student)  # a causal student streams
 
     def run_few_step(index: int, steps: int) -> torch.Tensor:
         seed = settings.seed + index
         noise = initial_noise(shape, seed)
         condition = _condition(vae, images, index, settings, noise.device, kind)
-        latent = sample_few_step(
+        latent = sample(
             student, scheduler, steps, _cond(conds, index), shape, seed, noise, condition=condition, kind=kind
         )
         return latent[0].cpu()

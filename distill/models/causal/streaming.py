@@ -20,7 +20,7 @@ seed gives the same clip on every device.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ import torch
 from distill.models.causal.attention import causal_layout, causal_pass
 from distill.models.causal.kv_cache import KVCache
 from distill.models.conditioning import Condition, condition_frames, conditioned
-from distill.models.few_step import rollout, student_grid
+from distill.models.few_step import rollout, sample_few_step, student_grid
 from distill.models.teacher_kind import T2V_A14B, TeacherKind
 
 # The timestep of the pass that fills the cache with a finished chunk: clean context.
@@ -115,3 +115,37 @@ def stream_latents(
                     encoder_hidden_states=cond,
                     return_dict=False,
                 )
+
+
+def stream_clip(
+    student: torch.nn.Module,
+    scheduler: Any,
+    steps: int,
+    prompt_embeds: torch.Tensor,
+    latent_shape: tuple[int, ...],
+    seed: int,
+    noise: torch.Tensor | None = None,
+    condition: Condition | None = None,
+    kind: TeacherKind = T2V_A14B,
+) -> torch.Tensor:
+    """The whole streamed clip (B, C, F, h, w), float32: stream_latents' chunks joined, in the call
+    shape of distill.models.few_step.sample_few_step."""
+    chunks = stream_latents(
+        student,
+        scheduler,
+        steps,
+        prompt_embeds,
+        latent_shape,
+        seed,
+        kind=kind,
+        condition=condition,
+        noise=noise,
+    )
+    return torch.cat([chunk.latents for chunk in chunks], dim=2)
+
+
+def few_step_sampler(student: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """How `student` makes a clip in its few steps: a causal student streams it (stream_clip), as
+    `generate --stream` does; any other runs sample_few_step over the whole clip. A causal run's
+    in-run samples and evaluations are then the clips its users get."""
+    return stream_clip if causal_layout(student) is not None else sample_few_step
