@@ -9,6 +9,7 @@ causal over chunks of `--chunk` latent frames, runs `--ode_steps` of ode_init an
 the scored clip prompts with the same noise (seed = the prompt's index) and prints and writes
 results.json, one row each:
 
+- the teacher at its 20 steps and guidance (3 / 1.5) on the trained length, the same prompts and noise;
 - the bidirectional student and the causal ones streamed at the trained length (CLIP_FRAMES = 9),
   scored by `score_clips` as every toy clip student is (accuracy, motion ratio, identity = colour and
   shape held in every frame);
@@ -47,6 +48,7 @@ from distill.toy.evaluation import EVAL_CLIP_PROMPTS, eval_prompts
 from distill.toy.score import score_clips
 from distill.toy.shipped import write_toy_teacher
 from distill.toy.stream_score import render_stream, score_stream
+from distill.toy.t2v_students import teacher_rows
 from distill.toy.world import CLIP_FRAMES, scene_for
 
 # The recipe (see docs/streaming.md for what else was tried and what it gave).
@@ -227,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     results: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()} | {"window": window}}
     for name in args.rows:
+        if (
+            name == TEACHER_ROW
+        ):  # the teacher's own 20 steps on the trained length, the same prompts and noise
+            (row,) = teacher_rows(args.teacher, True, count=args.prompts, steps=[TEACHER_STEPS])
+            results[name] = {k: row[k] for k in KEYS if k in row}
+            print(f"{name}: {results[name]}", flush=True)
+            continue
         if name == "world through the VAE, 3x":
             results[name] = scored(world_through_vae(prompts, long, vae), prompts, 0.0)
             print(f"{name}: {results[name]}", flush=True)
@@ -241,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+TEACHER_STEPS = 20
+TEACHER_ROW = f"teacher, {TEACHER_STEPS} steps"
 ROWS = (
+    TEACHER_ROW,
     "bidirectional dmd",
     "made causal, untrained",
     "causal, trained",
