@@ -51,13 +51,14 @@ def test_a_causal_student_streams_a_clip_longer_than_its_rope_table_allows_whole
     # 33 frames = 9 latent frames = 3 chunks of 3; then 37 chunks' worth past the tiny model's 32 positions.
     with caplog.at_level(logging.INFO):
         code = generate.main(
-            stream_args(causal_student, tiny_teacher, tmp_path / "ball", "--num_frames", "33")
+            stream_args(causal_student, tiny_teacher, tmp_path / "new" / "ball", "--num_frames", "33")
         )
     assert code == 0
-    assert imageio.get_reader(tmp_path / "ball.mp4").count_frames() == 33
+    # into a folder the stream made (`make demo-stream` writes to one that does not exist yet)
+    assert imageio.get_reader(tmp_path / "new" / "ball.mp4").count_frames() == 33
     report = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("prompt 0: first"))
     assert "first 9 frames after" in report and "33 frames in 3 chunks" in report and "frames/s" in report
-    assert not list(tmp_path.glob(".*tmp*"))  # the temporary file was renamed into place
+    assert not list(tmp_path.glob("new/.*tmp*"))  # the temporary file was renamed into place
 
     code = generate.main(
         stream_args(

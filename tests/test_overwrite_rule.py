@@ -141,14 +141,14 @@ def test_toy_data_writer_keeps_a_data_set_it_did_not_write(
 def test_the_make_demos_replace_the_toy_teacher_an_older_checkout_left(
     capsys: pytest.CaptureFixture[str], toy_i2v: Path, tmp_path: Path
 ) -> None:
-    """`make demo`, `demo-clips` and `demo-i2v` own their outputs/ teacher folder: after a pull that
+    """`make demo`, `demo-clips`, `demo-i2v` and `demo-stream` own their outputs/ teacher folder: after a pull that
     changes a shipped toy teacher, the folder an older demo wrote holds other files, and the demo must
     replace it (the demos pass --overwrite) rather than stop at the overwrite rule."""
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
     commands = [
         line.split("download_wan.py", 1)[1].split() for line in makefile.splitlines() if "--toy $(" in line
     ]
-    assert len(commands) == 3
+    assert len(commands) == 4
     for number, args in enumerate(commands):
         stale = tmp_path / f"teacher-{number}"
         shutil.copytree(toy_i2v, stale)

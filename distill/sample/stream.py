@@ -262,6 +262,7 @@ class _FrameWriter:
             self.frames.extend(pixels)
             return
         if self.writer is None:
+            self.tmp.parent.mkdir(parents=True, exist_ok=True)  # an --output folder not made yet
             self.writer = imageio.get_writer(self.tmp, fps=FPS, macro_block_size=16)
         for frame in pixels:
             self.writer.append_data(frame)
@@ -270,6 +271,7 @@ class _FrameWriter:
         import imageio.v2 as imageio
 
         if self.target.suffix == ".png":
+            self.tmp.parent.mkdir(parents=True, exist_ok=True)
             imageio.imwrite(self.tmp, self.frames[0])
         else:
             self.writer.close()

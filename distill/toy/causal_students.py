@@ -25,6 +25,7 @@ results.json, one row each:
   0.47, so the toy world cannot show whether a student streams 3x right (docs/streaming.md).
 
 `first_frame_share` is the time until a stream's first chunk is decoded over the stream's whole time.
+The recipe's student is shipped with its record by distill/toy/causal_ship.py.
 """
 
 from __future__ import annotations
@@ -79,25 +80,45 @@ def train(
     from distill.config.cli import parse_config
     from distill.train.trainer import Distiller
 
-    args = [
-        *COMMON,
-        *("--teacher_path", str(teacher), "--output_dir", str(out / method), "--method", method),
-        *(
-            "--cache_dir",
-            str(cache or out / "cache"),
-            "--student_init",
-            str(start),
-            "--num_steps",
-            str(steps),
-        ),
-        *("--student_chunk_frames", str(chunk), *extra),
-    ]
+    args = train_args(teacher, out, method, start, chunk, steps, extra, cache)
     began = time.time()
     result = Distiller(parse_config(args)).run()
     print(
         f"{method}: {steps} steps in {time.time() - began:.0f} s, loss {result.first_loss} -> {result.last_loss}"
     )
     return out / method / "student"
+
+
+def train_args(
+    teacher: Path | str,
+    out: Path | str,
+    method: str,
+    start: Path | str,
+    chunk: int,
+    steps: int,
+    extra: list[str],
+    cache: Path | str | None = None,
+) -> list[str]:
+    """The trainer's arguments of one stage of the recipe (its output: OUT/METHOD)."""
+    return [
+        *COMMON,
+        *("--teacher_path", str(teacher), "--output_dir", str(Path(out) / method), "--method", method),
+        *("--cache_dir", str(cache or Path(out) / "cache"), "--student_init", str(start)),
+        *("--num_steps", str(steps), "--student_chunk_frames", str(chunk), *extra),
+    ]
+
+
+def ode_init_extra(lr: float | str = ODE_LR, max_prompts: int = MAX_PROMPTS) -> list[str]:
+    return ["--batch_size", "16", "--lr", str(lr), "--max_prompts", str(max_prompts)]
+
+
+def self_forcing_extra(
+    lr: float | str = SELF_FORCING_LR, critic_lr: float | str = CRITIC_LR, max_prompts: int = MAX_PROMPTS
+) -> list[str]:
+    return [
+        *("--batch_size", "8", "--lr", str(lr), "--critic_lr", str(critic_lr)),
+        *("--critic_updates", "5", "--max_prompts", str(max_prompts)),
+    ]
 
 
 def student(folder: Path, chunk: int | None) -> torch.nn.Module:
@@ -196,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             start,
             args.chunk,
             args.ode_steps,
-            ["--batch_size", "16", "--lr", str(args.ode_lr), "--max_prompts", str(args.max_prompts)],
+            ode_init_extra(args.ode_lr, args.max_prompts),
             args.cache_dir,
         )
     causal = start
@@ -208,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             start,
             args.chunk,
             args.self_forcing_steps,
-            [
-                *("--batch_size", "8", "--lr", str(args.self_forcing_lr), "--critic_lr", str(args.critic_lr)),
-                *("--critic_updates", "5", "--max_prompts", str(args.max_prompts)),
-            ],
+            self_forcing_extra(args.self_forcing_lr, args.critic_lr, args.max_prompts),
             args.cache_dir,
         )
     prompts = eval_prompts(args.prompts, clips=True)

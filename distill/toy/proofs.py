@@ -10,7 +10,8 @@ Students: the text-to-video ones of distill.toy.t2v_ship (dmd, lora, clips_dmd, 
 image-to-video ones of distill.toy.i2v_ship (i2v_dmd, i2v_lora) and the velocity stage-1 students
 the dmd students start from (stage1, clips_stage1: distill.toy.stage_one; i2v_stage1), and the
 toy user LoRA with the speed LoRA distilled against teacher + it (user_lora: distill.toy.user_lora,
-distill.toy.user_table; held to the four-row table's bars). Each run goes to
+distill.toy.user_table; held to the four-row table's bars) and the causal streaming clip student
+(causal: distill.toy.causal_ship; held to the trained length's bars). Each run goes to
 outputs/proofs/NAME/; the shipped assets change only with --ship. A stage-1 student has no bars of
 its own: it must score, at 4 steps of the few-step sampler on the world's 216 prompts, within 0.05 of
 the shipped one it rebuilds. Prints one line per student and exits 1 when any bar is missed.
@@ -104,6 +105,17 @@ def prove_user_lora(work: Path, ship: bool) -> list[str]:
     return missed
 
 
+def prove_causal(work: Path, ship: bool) -> list[str]:
+    """Retrain the causal streaming clip student (both stages); the trained length's bars it misses."""
+    from distill.toy import causal_ship
+
+    exported, record = causal_ship.retrain(work)
+    print(causal_ship.table(record))
+    if ship:
+        causal_ship.ship(exported, record)
+    return causal_ship.unmet(record["evaluation"]["bars"])
+
+
 def proofs() -> dict[str, Callable[[Path, bool], list[str]]]:
     """Every proof by name, stage-1 students first (the dmd students start from the shipped ones)."""
     from distill.toy import i2v_ship, t2v_ship
@@ -117,6 +129,7 @@ def proofs() -> dict[str, Callable[[Path, bool], list[str]]]:
     for kind in t2v_ship.RECIPES:
         found[kind] = lambda work, ship, kind=kind: prove_t2v(kind, work, ship)
     found["user_lora"] = prove_user_lora
+    found["causal"] = prove_causal  # starts from the shipped clips_dmd student
     return found
 
 

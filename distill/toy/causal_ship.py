@@ -1,0 +1,201 @@
+"""The shipped causal streaming student of the toy clip teacher (assets/toy_student_causal/) and its record.
+
+    python -m distill.toy.causal_ship                # the record's table and bars
+    python -m distill.toy.causal_ship --retrain      # train it again (~12 min on 2 cores), score it, ship it
+
+The recipe is distill/toy/causal_students.py's: from the shipped bidirectional 4-step dmd clip student,
+chunks of 1 latent frame, 400 steps of ode_init then 40 of self_forcing, on the first 512 clip prompts'
+teacher samples. The record holds both training commands and the student streamed (4 steps a chunk, KV
+cache window = the trained span) on the world's 216 scored clip prompts at the trained length, prompt i
+from seed i, with which prompts it got right, and the bars the trained length can be judged by:
+
+- accuracy >= 0.9 x the bidirectional student's at 4 steps (its own record, the same prompts and noise);
+- motion ratio 0.85-1.15.
+
+The 3x stream's bars (identity in >= 90% of clips, motion 0.85-1.15) are not judged: the toy VAE does not
+decode past the trained 9 frames (docs/streaming.md). CI streams the shipped student again and holds it
+to its record and bars (tests/test_toy_shipped_causal.py); `make proofs` trains it again from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from distill.ops.command import Parser, PathAction, entry_point
+from distill.ops.paths import Kind
+
+REPO = Path(__file__).resolve().parents[2]
+ASSET = REPO / "assets" / "toy_student_causal"
+RECORD_FILE = "toy_student.json"
+TEACHER_REF = "outputs/toy-wan"  # where the demos write the toy teacher
+RUN_REF = "outputs/toy-causal"
+ACCURACY_SHARE = 0.9
+MOTION_RANGE = (0.85, 1.15)
+STEPS = 4
+
+
+def stage_args(teacher: Path | str, out: Path | str, cache: Path | str | None = None) -> list[list[str]]:
+    """The trainer's arguments of both stages: ode_init from the shipped dmd clip student, then
+    self_forcing from its export (OUT/ode_init/student)."""
+    from distill.toy import causal_students as recipe
+
+    shipped = recipe.SHIPPED_DMD.relative_to(REPO) if str(teacher) == TEACHER_REF else recipe.SHIPPED_DMD
+    ode = recipe.train_args(
+        teacher, out, "ode_init", shipped, recipe.CHUNK, recipe.ODE_STEPS, recipe.ode_init_extra(), cache
+    )
+    forcing = recipe.train_args(
+        teacher,
+        out,
+        "self_forcing",
+        Path(out) / "ode_init" / "student",
+        recipe.CHUNK,
+        recipe.SELF_FORCING_STEPS,
+        recipe.self_forcing_extra(),
+        cache,
+    )
+    return [ode, forcing]
+
+
+def commands() -> list[str]:
+    """The record's two training commands, as run from the repository root."""
+    runs = stage_args(TEACHER_REF, RUN_REF, f"{RUN_REF}-cache")
+    return ["python train_distillation.py " + " ".join(shlex.quote(a) for a in args) for args in runs]
+
+
+def streamed_row(teacher: Path | str, folder: Path | str, count: int | None = None) -> dict[str, Any]:
+    """The causal student of `folder` streamed at the trained length on the first `count` (all 216)
+    scored clip prompts, scored as every toy clip student is (score_clips)."""
+    import torch
+
+    from distill.models.few_step import load_few_step_scheduler
+    from distill.models.pipelines import encode_prompts, load_vae
+    from distill.models.teacher import inspect_teacher
+    from distill.sample.student_folder import load_student
+    from distill.toy.causal_students import clips
+    from distill.toy.score import score_clips
+    from distill.toy.t2v_students import FIGURES, scored_prompts
+    from distill.toy.world import CLIP_FRAMES
+
+    prompts = scored_prompts(True, count)
+    embeddings = encode_prompts(teacher, prompts, 512, torch.device("cpu"), torch.float32)
+    embeds = torch.stack([embeddings[p] for p in prompts])
+    vae = load_vae(teacher, torch.device("cpu"))
+    info = inspect_teacher(str(teacher))
+    # causal again: its folder holds causal_config.json
+    model = load_student(folder, info, torch.device("cpu"), torch.float32).eval()
+    made, first_share = clips(model, load_few_step_scheduler(folder), embeds, CLIP_FRAMES, vae, stream=True)
+    result = score_clips(made, prompts)
+    row = {"model": "causal", "steps": STEPS, **{k: result[k] for k in FIGURES if k in result}}
+    return row | {"count": len(prompts), "first_frame_share": round(first_share, 3)}
+
+
+def bidirectional_row() -> dict[str, Any]:
+    """The shipped bidirectional dmd clip student at 4 steps, from its record (the same prompts and noise)."""
+    from distill.toy import t2v_ship
+    from distill.toy.t2v_students import find_row
+
+    record = json.loads((t2v_ship.ASSETS["clips_dmd"] / t2v_ship.RECORD_FILE).read_text())
+    return find_row(record["evaluation"]["rows"], "clips_dmd", STEPS)
+
+
+def bars(row: dict[str, Any], reference: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The trained length's bars of a streamed `row` against the bidirectional `reference` row."""
+    floor = ACCURACY_SHARE * reference["accuracy"]
+    low, high = MOTION_RANGE
+    ratio = row.get("motion_ratio")
+    return {
+        "accuracy": {
+            "value": row["accuracy"],
+            "limit": f">= {floor:.3f} ({ACCURACY_SHARE} x the bidirectional student's {reference['accuracy']:.3f})",
+            "met": bool(row["accuracy"] >= floor),
+        },
+        "motion_ratio": {
+            "value": ratio,
+            "limit": f"{low}-{high}",
+            "met": bool(ratio is not None and low <= ratio <= high),
+        },
+    }
+
+
+def unmet(found: dict[str, dict[str, Any]]) -> list[str]:
+    return [f"{name} {b['value']} ({b['limit']})" for name, b in found.items() if not b["met"]]
+
+
+def retrain(work: Path) -> tuple[Path, dict[str, Any]]:
+    """Both stages from scratch in `work`; the exported student and its record, not yet shipped."""
+    from distill.config.cli import parse_config
+    from distill.toy.shipped import write_toy_teacher
+    from distill.train.trainer import Distiller
+
+    teacher = write_toy_teacher(work / "teacher", overwrite=True)
+    run = work / "run"
+    shutil.rmtree(run, ignore_errors=True)  # a fresh run: the recipe is what gets shipped, not a resume
+    for args in stage_args(teacher, run, work / "cache"):
+        Distiller(parse_config(args)).run()
+    exported = run / "self_forcing" / "student"
+    return exported, make_record(teacher, exported)
+
+
+def make_record(teacher: Path, exported: Path) -> dict[str, Any]:
+    """The record of the recipe's student in `exported`: its commands, its streamed row and bars."""
+    row = streamed_row(teacher, exported)
+    evaluation = {"count": row["count"], "noise_seed": 0, "row": row, "bars": bars(row, bidirectional_row())}
+    return {
+        "commands": commands(),
+        "rebuild": "python -m distill.toy.causal_ship --retrain",
+        "evaluation": evaluation,
+    }
+
+
+def ship(exported: Path, record: dict[str, Any], dest: Path = ASSET) -> Path:
+    from distill.toy.shipping import ship_student
+
+    return ship_student(exported, dest, TEACHER_REF, (RECORD_FILE, record))
+
+
+def table(record: dict[str, Any]) -> str:
+    row, reference = record["evaluation"]["row"], bidirectional_row()
+    lines = [
+        "model                           accuracy  motion  identity",
+        f"bidirectional dmd, 4 steps      {reference['accuracy']:.3f}     {reference['motion_ratio']:.3f}   "
+        f"{reference['identity']:.3f}",
+        f"causal, streamed, 4 steps       {row['accuracy']:.3f}     {row['motion_ratio']:.3f}   {row['identity']:.3f}",
+    ]
+    lines += [
+        f"bar {name}: {b['value']:.3f} ({b['limit']}): {'met' if b['met'] else 'MISSED'}"
+        for name, b in record["evaluation"]["bars"].items()
+    ]
+    return "\n".join(lines)
+
+
+@entry_point
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="python -m distill.toy.causal_ship", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--retrain", action="store_true", help="train it again, score it and ship it")
+    parser.add_argument(
+        "--work_dir",
+        action=PathAction,
+        kind=Kind.OUTPUT_FOLDER,
+        default="outputs/causal-ship",
+        help="the runs",
+    )
+    args = parser.parse_args(argv)
+    if args.retrain:
+        import torch
+
+        torch.set_num_threads(1)
+        exported, record = retrain(Path(args.work_dir).absolute())
+        ship(exported, record)
+    else:
+        record = json.loads((ASSET / RECORD_FILE).read_text())
+    print(table(record))
+    return 1 if unmet(record["evaluation"]["bars"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
