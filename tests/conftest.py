@@ -132,7 +132,8 @@ def one_thread_per_worker():
 
 @pytest.fixture(scope="session", autouse=True)
 def plan_measurements_of_this_session(tmp_path_factory: pytest.TempPathFactory):
-    """Every run logs its memory plan, measured on fake tensors (seconds per model use): the suite's
+    """Every --dry_run (and every run on an accelerator) measures its memory plan on fake tensors
+    (seconds per model use): the suite's
     processes (both workers, and the runs they start) share one measurement folder, started empty each
     session, so a suite never reads numbers an earlier one measured (distill/train/measurement_cache.py)."""
     from distill.train.measurement_cache import PLAN_CACHE_ENV

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SMALL_EXPERT
+from conftest import SMALL_EXPERT, train_args
 
 from distill.train import activations, measurement_cache
 from distill.train.activations import ModelUse, trained
 from distill.train.measurement_cache import PLAN_CACHE_ENV, cached_measurement, entry_path
+from train_distillation import main
 
 USE = ModelUse.of({**SMALL_EXPERT, "num_layers": 4}, latent_shape=(16, 1, 4, 4), text_len=5, batch=1)
 
@@ -68,3 +69,16 @@ def test_a_folder_that_cannot_be_written_costs_only_the_time(tmp_path, monkeypat
     assert cached_measurement("k", lambda: (5.0,)) == (5.0,)
     assert cached_measurement("k", lambda: (6.0,)) == (6.0,)  # nothing was kept
     assert [p.name for p in tmp_path.iterdir()] == ["a file"]
+
+
+def test_a_cpu_run_measures_no_plan_and_its_dry_run_does(folder, tiny_teacher, tmp_path, capsys):
+    """A run on the CPU logs that its plan was not measured (it plans accelerator memory, and measuring
+    costs seconds per model use); --dry_run of the same run measures and prints it."""
+    args = train_args(tiny_teacher, tmp_path / "out", tmp_path / "cache", num_steps=1)
+    assert main(args) == 0
+    assert "plan: not measured for a run on the CPU (--dry_run prints it)" in capsys.readouterr().err
+    assert not folder.exists() or not list(folder.glob("*.json"))
+    dry = train_args(tiny_teacher, tmp_path / "dry", tmp_path / "cache", num_steps=1, dry_run=True)
+    assert main(dry) == 0
+    assert "memory per device" in capsys.readouterr().out
+    assert list(folder.glob("*.json"))  # measured

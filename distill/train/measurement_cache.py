@@ -1,6 +1,7 @@
 """The memory plan's measurements, kept on disk so a run measures each model use only once.
 
-Every run logs its plan, and the plan runs the real model on fake tensors (`activations`): a few
+Every run on an accelerator logs its plan (a CPU run leaves it to --dry_run), and the plan runs the
+real model on fake tensors (`activations`): a few
 seconds per model use, the same numbers every time for the same code and libraries. A run that resumes,
 a rank restarted by torchrun and a second `--dry_run` of a recipe all read them back instead.
 

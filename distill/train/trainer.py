@@ -163,7 +163,8 @@ class Distiller:
         )
 
     def plan(self) -> str:
-        """Memory per device, forwards and GPU-hours of this run (--dry_run prints it; every run logs it)."""
+        """Memory per device, forwards and GPU-hours of this run (--dry_run prints it; every run on an
+        accelerator logs it)."""
         chosen = (self.placement, self.placement_reason)
         return run_plan(
             self.cfg, self.info, self.student_config, self.critic_config, self.device, self.ctx, chosen
@@ -444,8 +445,12 @@ class Distiller:
     def _run(self, out: Path) -> RunResult:
         cfg = self.cfg
         self.check_output_dir()
-        if self.is_main:
+        if self.is_main and self.device.type != "cpu":
             logger.info("plan:\n%s", self.plan())
+        elif self.is_main:
+            # The plan measures each model use on fake tensors (seconds apiece, most of a tiny run's
+            # start), and what it plans is accelerator memory: a CPU run leaves it to --dry_run.
+            logger.info("plan: not measured for a run on the CPU (--dry_run prints it)")
         result = RunResult(output_dir=out)
         embeddings, latents, negative, teacher, conditions = self.prepare_caches(result)
         dataset = DistillationDataset(
