@@ -11,6 +11,7 @@ from conftest import SMALL_EXPERT, train_args
 from distill.train import activations, measurement_cache
 from distill.train.activations import ModelUse, trained
 from distill.train.measurement_cache import PLAN_CACHE_ENV, cached_measurement, entry_path
+from distill.train.trainer import CPU_PLAN
 from train_distillation import main
 
 USE = ModelUse.of({**SMALL_EXPERT, "num_layers": 4}, latent_shape=(16, 1, 4, 4), text_len=5, batch=1)
@@ -76,7 +77,7 @@ def test_a_cpu_run_measures_no_plan_and_its_dry_run_does(folder, tiny_teacher, t
     costs seconds per model use); --dry_run of the same run measures and prints it."""
     args = train_args(tiny_teacher, tmp_path / "out", tmp_path / "cache", num_steps=1)
     assert main(args) == 0
-    assert "plan: not measured for a run on the CPU (--dry_run prints it)" in capsys.readouterr().err
+    assert "plan:\nteacher placement: gpu" in (err := capsys.readouterr().err) and CPU_PLAN in err
     assert not folder.exists() or not list(folder.glob("*.json"))
     dry = train_args(tiny_teacher, tmp_path / "dry", tmp_path / "cache", num_steps=1, dry_run=True)
     assert main(dry) == 0

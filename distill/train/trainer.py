@@ -1,9 +1,7 @@
 """The distillation run: checks, caches, the teacher and the trained models, then the loop and export.
-
-`Distiller.run()` validates what it can before loading anything heavy, fills the prompt-embedding
-and clean-latent caches, loads and places the teacher, builds the student (and whatever else the
-method trains, e.g. the dmd critic), and hands them to `distill.train.loop.TrainingLoop`.
-"""
+`Distiller.run()` validates what it can before loading anything heavy, fills the prompt-embedding and
+clean-latent caches, loads and places the teacher, builds the student (and whatever else the method
+trains, e.g. the dmd critic), and hands them to `distill.train.loop.TrainingLoop`."""
 
 from __future__ import annotations
 
@@ -77,6 +75,7 @@ from distill.train.run_checks import (
 from distill.train.sequence_parallel import context_groups, split_model
 
 logger = logging.getLogger(__name__)
+CPU_PLAN = "not measured for a run on the CPU (--dry_run prints it)"
 
 
 class Distiller:
@@ -163,11 +162,10 @@ class Distiller:
         )
 
     def plan(self) -> str:
-        """Memory per device, forwards and GPU-hours of this run (--dry_run prints it; every run on an
-        accelerator logs it)."""
-        chosen = (self.placement, self.placement_reason)
+        """Memory per device, forwards and GPU-hours of this run (--dry_run prints it; runs off the CPU log it)."""
+        cfg, chosen = self.cfg, (self.placement, self.placement_reason)
         return run_plan(
-            self.cfg, self.info, self.student_config, self.critic_config, self.device, self.ctx, chosen
+            cfg, self.info, self.student_config, self.critic_config, self.device, self.ctx, chosen
         )
 
     @property
@@ -263,9 +261,9 @@ class Distiller:
         return embeddings, latents, negative, teacher, conditions
 
     def prepare_conditions(self, result: RunResult) -> tuple[TensorCache | None, ImageInputs | None]:
-        """An image-to-video run: every sample's image encoded once into the image-latent cache (each
-        rank its share); returns the cache and the VAE and preprocessing that the teacher's sampling of
-        the clean latents needs too. (None, None) for a text-to-video teacher."""
+        """An image-to-video run: every sample's image encoded once into the image-latent cache (each rank
+        its share); returns the cache and the VAE and preprocessing the teacher's clean-latent sampling
+        needs too. (None, None) for a text-to-video teacher."""
         if not any(sample.image is not None for sample in self.samples):  # text to video
             return None, None
         rank, world = self.ctx.rank, self.ctx.world_size
@@ -445,12 +443,9 @@ class Distiller:
     def _run(self, out: Path) -> RunResult:
         cfg = self.cfg
         self.check_output_dir()
-        if self.is_main and self.device.type != "cpu":
-            logger.info("plan:\n%s", self.plan())
-        elif self.is_main:
-            # The plan measures each model use on fake tensors (seconds apiece, most of a tiny run's
-            # start), and what it plans is accelerator memory: a CPU run leaves it to --dry_run.
-            logger.info("plan: not measured for a run on the CPU (--dry_run prints it)")
+        if self.is_main:  # the plan measures on fake tensors, seconds apiece: on the CPU, --dry_run only
+            unmeasured = f"teacher placement: {self.placement} ({self.placement_reason})\n{CPU_PLAN}"
+            logger.info("plan:\n%s", unmeasured if self.device.type == "cpu" else self.plan())
         result = RunResult(output_dir=out)
         embeddings, latents, negative, teacher, conditions = self.prepare_caches(result)
         dataset = DistillationDataset(
