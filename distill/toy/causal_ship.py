@@ -28,25 +28,32 @@ from typing import Any
 
 from distill.ops.command import Parser, PathAction, entry_point
 from distill.ops.paths import Kind
+from distill.toy.t2v_students import ACCURACY_SHARE, MOTION_RANGE  # the clip students' bars
 
 REPO = Path(__file__).resolve().parents[2]
 ASSET = REPO / "assets" / "toy_student_causal"
 RECORD_FILE = "toy_student.json"
 TEACHER_REF = "outputs/toy-wan"  # where the demos write the toy teacher
 RUN_REF = "outputs/toy-causal"
-ACCURACY_SHARE = 0.9
-MOTION_RANGE = (0.85, 1.15)
 STEPS = 4
 
 
-def stage_args(teacher: Path | str, out: Path | str, cache: Path | str | None = None) -> list[list[str]]:
-    """The trainer's arguments of both stages: ode_init from the shipped dmd clip student, then
-    self_forcing from its export (OUT/ode_init/student)."""
+def stage_args(
+    teacher: Path | str, out: Path | str, cache: Path | str | None = None, start: Path | None = None
+) -> list[list[str]]:
+    """The trainer's arguments of both stages: ode_init from `start` (the shipped dmd clip student),
+    then self_forcing from its export (OUT/ode_init/student)."""
     from distill.toy import causal_students as recipe
 
-    shipped = recipe.SHIPPED_DMD.relative_to(REPO) if str(teacher) == TEACHER_REF else recipe.SHIPPED_DMD
     ode = recipe.train_args(
-        teacher, out, "ode_init", shipped, recipe.CHUNK, recipe.ODE_STEPS, recipe.ode_init_extra(), cache
+        teacher,
+        out,
+        "ode_init",
+        start or recipe.SHIPPED_DMD,
+        recipe.CHUNK,
+        recipe.ODE_STEPS,
+        recipe.ode_init_extra(),
+        cache,
     )
     forcing = recipe.train_args(
         teacher,
@@ -63,7 +70,9 @@ def stage_args(teacher: Path | str, out: Path | str, cache: Path | str | None = 
 
 def commands() -> list[str]:
     """The record's two training commands, as run from the repository root."""
-    runs = stage_args(TEACHER_REF, RUN_REF, f"{RUN_REF}-cache")
+    from distill.toy.causal_students import SHIPPED_DMD
+
+    runs = stage_args(TEACHER_REF, RUN_REF, f"{RUN_REF}-cache", SHIPPED_DMD.relative_to(REPO))
     return ["python train_distillation.py " + " ".join(shlex.quote(a) for a in args) for args in runs]
 
 
