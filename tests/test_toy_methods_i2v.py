@@ -34,6 +34,12 @@ def world(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def expert_alone(world) -> dict:
+    """The high-noise expert's own score at 4 steps: the start of both runs from it (scored once)."""
+    return score_i2v_folder(world["teacher"], world["teacher"] / "transformer", CASES, 4)
+
+
 def run(world, out, **settings):
     return train(world["teacher"], out, world["cache"], world["data"], True, **settings)
 
@@ -49,11 +55,11 @@ def from_the_high_noise_expert(world) -> dict:
     }
 
 
-def test_velocity_teaches_the_high_noise_expert_to_keep_the_image(world, tmp_path):
+def test_velocity_teaches_the_high_noise_expert_to_keep_the_image(world, expert_alone, tmp_path):
     """Stage 1's method (the teacher's unguided velocity) from the high-noise expert: 60 steps keep the
     image in 0.30 of the cases and get 0.78 of the prompts right (measured; the start 0.11 and 0.52).
     Broken on purpose: the teacher's velocity negated 0.00, the loss removed 0.11 (the start)."""
-    before = score_i2v_folder(world["teacher"], world["teacher"] / "transformer", CASES, 4)
+    before = expert_alone
     student = run(
         world,
         tmp_path / "run",
@@ -70,12 +76,14 @@ def test_velocity_teaches_the_high_noise_expert_to_keep_the_image(world, tmp_pat
     assert after["clip_accuracy"] >= before["clip_accuracy"] + 0.15, shown
 
 
-def test_dmd_makes_the_high_noise_expert_a_four_step_generator_that_keeps_the_image(world, tmp_path):
+def test_dmd_makes_the_high_noise_expert_a_four_step_generator_that_keeps_the_image(
+    world, expert_alone, tmp_path
+):
     """dmd from the high-noise expert, the teacher at its clip guidance (3 / 1.5) as the real score, its
     critic started as the shipped stage-1 student (a model of the teacher's unguided clips): 40 steps
     keep the image in 0.44 of the cases (measured; the start 0.11). Broken on purpose: the critic never
     updated 0.26, the dmd gradient's sign flipped 0.00."""
-    before = score_i2v_folder(world["teacher"], world["teacher"] / "transformer", CASES, 4)
+    before = expert_alone
     student = run(
         world,
         tmp_path / "run",
