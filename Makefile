@@ -136,7 +136,9 @@ toy-stage1-clips: $(STAMP)
 # The shipped causal streaming toy student (assets/toy_student_causal/: `python -m distill.toy.causal_ship
 # --retrain` in ~12 min; docs/streaming.md) streams the moving world's sample prompts 3x longer than it
 # was trained on (33 frames), each chunk's frames written as soon as they are made; it prints the time
-# to the first frame and the frames per second. Seconds on 2 CPU cores.
+# to the first frame and the frames per second. Seconds on 2 CPU cores. What it shows past the 9th frame
+# is not a right stream: the toy VAE cannot decode past the trained length, and the student slows to a
+# stop there and its colours drift (read through the toy world's stream reader; docs/streaming.md).
 demo-stream: $(STAMP)
 	$(PY) download_wan.py --toy $(DEMO_TEACHER) --overwrite
 	rm -rf outputs/demo-stream
@@ -145,7 +147,7 @@ demo-stream: $(STAMP)
 
 # A causal streaming student of the toy clip teacher (ode_init then self_forcing from the shipped dmd
 # clip student), streamed at 9 and 33 frames and scored (distill/toy/causal_students.py, the table in
-# docs/streaming.md; ~13 min on 2 cores). Not a proof: the toy VAE cannot judge its 3x stream (that page).
+# docs/streaming.md; ~13 min on 2 cores; its 3x rows read through assets/toy_stream_reader/). Not a proof.
 toy-causal: $(STAMP)
 	rm -rf outputs/toy-causal
 	$(DEMO_ENV) $(PY) -m distill.toy.causal_students --output_dir outputs/toy-causal

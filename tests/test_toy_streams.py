@@ -12,11 +12,11 @@ import pytest
 from distill.toy.evaluation import eval_prompts
 from distill.toy.render import render_clip
 from distill.toy.score import read, score_clips
-from distill.toy.stream_score import read_stream, render_stream, score_stream, stream_track
+from distill.toy.stream_score import LONG_FRAMES, read_stream, render_stream, score_stream, stream_track
 from distill.toy.world import BACKGROUNDS, CLIP_FRAMES, COLOURS, Scene, scene_for
 
 PROMPTS = eval_prompts(18, clips=True)  # every motion twice
-FRAMES = 3 * (CLIP_FRAMES - 1) + 1
+FRAMES = LONG_FRAMES  # 33: 3x the trained clip's latent frames
 
 
 @pytest.fixture(scope="module")

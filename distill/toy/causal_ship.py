@@ -2,19 +2,25 @@
 
     python -m distill.toy.causal_ship                # the record's table and bars
     python -m distill.toy.causal_ship --retrain      # train it again (~12 min on 2 cores), score it, ship it
+    python -m distill.toy.causal_ship --rescore      # score the shipped student again, rewrite its record
 
 The recipe is distill/toy/causal_students.py's: from the shipped bidirectional 4-step dmd clip student,
 chunks of 1 latent frame, 400 steps of ode_init then 40 of self_forcing, on the first 512 clip prompts'
-teacher samples. The record holds both training commands and the student streamed (4 steps a chunk, KV
-cache window = the trained span) on the world's 216 scored clip prompts at the trained length, prompt i
-from seed i, with which prompts it got right, and the bars the trained length can be judged by:
+teacher samples. The record holds both training commands and the student streamed (4 steps a chunk, the
+KV cache window of generate --stream) on the world's 216 scored clip prompts, prompt i from seed i, with
+which prompts it got right:
 
-- accuracy >= 0.9 x the bidirectional student's at 4 steps (its own record, the same prompts and noise);
-- motion ratio 0.85-1.15.
+- at the trained length, decoded by the teacher's VAE, against the bars the exit code follows:
+  accuracy >= 0.9 x the bidirectional student's at 4 steps (its own record, the same prompts and
+  noise), and motion ratio 0.85-1.15;
+- 3x longer (33 frames), decoded by the toy world's stream reader (distill/toy/stream_reader.py: the
+  teacher's toy VAE cannot decode past the trained 9 frames) and scored by `score_stream`, against the
+  issue's 3x bars: identity held in >= 90% of the streams, motion ratio 0.85-1.15, each shown beside
+  what the world's own streams read through the same reader. Printed, not part of the exit code: the
+  shipped student misses them (docs/streaming.md says how, and why).
 
-The 3x stream's bars (identity in >= 90% of clips, motion 0.85-1.15) are not judged: the toy VAE does not
-decode past the trained 9 frames (docs/streaming.md). CI streams the shipped student again and holds it
-to its record and bars (tests/test_toy_shipped_causal.py); `make proofs` trains it again from scratch.
+CI streams the shipped student again and holds it to its record and bars (tests/test_toy_shipped_causal.py);
+`make proofs` trains it again from scratch.
 """
 
 from __future__ import annotations
@@ -76,30 +82,81 @@ def commands() -> list[str]:
     return ["python train_distillation.py " + " ".join(shlex.quote(a) for a in args) for args in runs]
 
 
-def streamed_row(teacher: Path | str, folder: Path | str, count: int | None = None) -> dict[str, Any]:
-    """The causal student of `folder` streamed at the trained length on the first `count` (all 216)
-    scored clip prompts, scored as every toy clip student is (score_clips)."""
+def streamed_clips(
+    teacher: Path | str, folder: Path | str, count: int | None, frames: int, vae: Any
+) -> tuple[list, list[str], float]:
+    """The causal student of `folder` streamed (4 steps a chunk, generate --stream's KV cache window)
+    on the first `count` (all 216) scored clip prompts, prompt i from seed i, each chunk decoded by
+    `vae` as it finishes: (clips, prompts, mean share of a stream's time before its first frame)."""
     import torch
 
+    from distill.models.causal.layout import CausalLayout
     from distill.models.few_step import load_few_step_scheduler
-    from distill.models.pipelines import encode_prompts, load_vae
+    from distill.models.pipelines import encode_prompts
     from distill.models.teacher import inspect_teacher
+    from distill.sample.stream import default_window
     from distill.sample.student_folder import load_student
-    from distill.toy.causal_students import clips
-    from distill.toy.score import score_clips
-    from distill.toy.t2v_students import FIGURES, scored_prompts
+    from distill.toy.causal_students import CHUNK, clips
+    from distill.toy.t2v_students import scored_prompts
     from distill.toy.world import CLIP_FRAMES
 
     prompts = scored_prompts(True, count)
     embeddings = encode_prompts(teacher, prompts, 512, torch.device("cpu"), torch.float32)
     embeds = torch.stack([embeddings[p] for p in prompts])
-    vae = load_vae(teacher, torch.device("cpu"))
     info = inspect_teacher(str(teacher))
     # causal again: its folder holds causal_config.json
     model = load_student(folder, info, torch.device("cpu"), torch.float32).eval()
-    made, first_share = clips(model, load_few_step_scheduler(folder), embeds, CLIP_FRAMES, vae, stream=True)
+    window = default_window(CausalLayout(CHUNK), CLIP_FRAMES, info.vae_scale_temporal)
+    made, first_share = clips(
+        model, load_few_step_scheduler(folder), embeds, frames, vae, stream=True, window=window
+    )
+    return made, prompts, first_share
+
+
+def streamed_row(teacher: Path | str, folder: Path | str, count: int | None = None) -> dict[str, Any]:
+    """The causal student of `folder` streamed at the trained length, decoded by the teacher's VAE and
+    scored as every toy clip student is (score_clips)."""
+    import torch
+
+    from distill.models.pipelines import load_vae
+    from distill.toy.score import score_clips
+    from distill.toy.t2v_students import FIGURES
+    from distill.toy.world import CLIP_FRAMES
+
+    vae = load_vae(teacher, torch.device("cpu"))
+    made, prompts, first_share = streamed_clips(teacher, folder, count, CLIP_FRAMES, vae)
     result = score_clips(made, prompts)
     row = {"model": "causal", "steps": STEPS, **{k: result[k] for k in FIGURES if k in result}}
+    return row | {"count": len(prompts), "first_frame_share": round(first_share, 3)}
+
+
+STREAM_FIGURES = (
+    "accuracy",
+    "identity",
+    "motion_ratio",
+    "late_motion_ratio",
+    "frames_shown",
+    "correct",
+    "held",
+    "speeds",
+)
+
+
+def long_stream_row(teacher: Path | str, folder: Path | str, count: int | None = None) -> dict[str, Any]:
+    """The causal student of `folder` streamed 3x longer than trained (STREAM_FRAMES), decoded by the
+    toy world's stream reader (the teacher's toy VAE cannot decode past the trained length) and scored
+    by score_stream."""
+    from distill.toy.stream_reader import STREAM_FRAMES, load_reader
+    from distill.toy.stream_score import score_stream
+
+    made, prompts, first_share = streamed_clips(teacher, folder, count, STREAM_FRAMES, load_reader())
+    result = score_stream(made, prompts)
+    row = {
+        "model": "causal",
+        "steps": STEPS,
+        "frames": STREAM_FRAMES,
+        **{k: result[k] for k in STREAM_FIGURES},
+    }
     return row | {"count": len(prompts), "first_frame_share": round(first_share, 3)}
 
 
@@ -115,19 +172,41 @@ def bidirectional_row() -> dict[str, Any]:
 def bars(row: dict[str, Any], reference: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The trained length's bars of a streamed `row` against the bidirectional `reference` row."""
     floor = ACCURACY_SHARE * reference["accuracy"]
-    low, high = MOTION_RANGE
-    ratio = row.get("motion_ratio")
     return {
         "accuracy": {
             "value": row["accuracy"],
             "limit": f">= {floor:.3f} ({ACCURACY_SHARE} x the bidirectional student's {reference['accuracy']:.3f})",
             "met": bool(row["accuracy"] >= floor),
         },
-        "motion_ratio": {
-            "value": ratio,
-            "limit": f"{low}-{high}",
-            "met": bool(ratio is not None and low <= ratio <= high),
+        "motion_ratio": motion_bar(row.get("motion_ratio")),
+    }
+
+
+def motion_bar(ratio: float | None, beside: str = "") -> dict[str, Any]:
+    """Motion ratio within MOTION_RANGE; `beside` is added to the limit's text."""
+    low, high = MOTION_RANGE
+    return {
+        "value": ratio,
+        "limit": f"{low}-{high}{beside}",
+        "met": bool(ratio is not None and low <= ratio <= high),
+    }
+
+
+IDENTITY_SHARE = 0.9  # the issue's: identity held in >= 90% of the 3x streams
+
+
+def long_stream_bars(row: dict[str, Any], floor: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The 3x stream's bars of `row`: identity held in >= 90% of the streams, motion ratio 0.85-1.15;
+    each with what the world's own streams read through the same reader (`floor`), the most a
+    student's stream can."""
+    reader = " (the world's own streams through the reader: {:.3f})"
+    return {
+        "identity": {
+            "value": row["identity"],
+            "limit": f">= {IDENTITY_SHARE}" + reader.format(floor["identity"]),
+            "met": bool(row["identity"] >= IDENTITY_SHARE),
         },
+        "motion_ratio": motion_bar(row.get("motion_ratio"), reader.format(floor["motion_ratio"])),
     }
 
 
@@ -152,13 +231,22 @@ def retrain(work: Path) -> tuple[Path, dict[str, Any]]:
 
 def make_record(teacher: Path, exported: Path) -> dict[str, Any]:
     """The record of the recipe's student in `exported`: its commands, its streamed row and bars."""
+    from distill.toy.stream_reader import read_record
+
     row = streamed_row(teacher, exported)
     evaluation = {"count": row["count"], "noise_seed": 0, "row": row, "bars": bars(row, bidirectional_row())}
     return {
         "commands": commands(),
         "rebuild": "python -m distill.toy.causal_ship --retrain",
         "evaluation": evaluation,
+        "stream_3x": long_stream_record(teacher, exported, read_record()["floor"]),
     }
+
+
+def long_stream_record(teacher: Path, exported: Path, floor: dict[str, Any]) -> dict[str, Any]:
+    """The 3x stream's row on all 216 prompts, and its bars against the reader's `floor`."""
+    row = long_stream_row(teacher, exported)
+    return {"row": row, "bars": long_stream_bars(row, floor)}
 
 
 def ship(exported: Path, record: dict[str, Any], dest: Path = ASSET) -> Path:
@@ -175,17 +263,31 @@ def table(record: dict[str, Any]) -> str:
         f"{reference['identity']:.3f}",
         f"causal, streamed, 4 steps       {row['accuracy']:.3f}     {row['motion_ratio']:.3f}   {row['identity']:.3f}",
     ]
-    lines += [
-        f"bar {name}: {b['value']:.3f} ({b['limit']}): {'met' if b['met'] else 'MISSED'}"
-        for name, b in record["evaluation"]["bars"].items()
-    ]
+    lines += [_bar_line(name, b) for name, b in record["evaluation"]["bars"].items()]
+    long = record.get("stream_3x")
+    if long is not None:
+        row = long["row"]
+        lines.append(
+            f"causal, streamed 3x ({row['frames']} frames, read by the stream reader): accuracy "
+            f"{row['accuracy']:.3f}, motion {row['motion_ratio']:.3f}, identity {row['identity']:.3f}"
+        )
+        lines += [_bar_line(f"3x {name}", b) for name, b in long["bars"].items()]
     return "\n".join(lines)
+
+
+def _bar_line(name: str, bar: dict[str, Any]) -> str:
+    return f"bar {name}: {bar['value']:.3f} ({bar['limit']}): {'met' if bar['met'] else 'MISSED'}"
 
 
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="python -m distill.toy.causal_ship", description=__doc__.split("\n\n")[0])
     parser.add_argument("--retrain", action="store_true", help="train it again, score it and ship it")
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="score the shipped student again with today's code and rewrite its record (no training)",
+    )
     parser.add_argument(
         "--work_dir",
         action=PathAction,
@@ -200,6 +302,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         exported, record = retrain(Path(args.work_dir).absolute())
         ship(exported, record)
+    elif args.rescore:
+        import torch
+
+        from distill.toy.shipped import write_toy_teacher
+
+        torch.set_num_threads(1)
+        teacher = write_toy_teacher(Path(args.work_dir).absolute() / "teacher", overwrite=True)
+        record = make_record(teacher, ASSET)
+        (ASSET / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     else:
         record = json.loads((ASSET / RECORD_FILE).read_text())
     print(table(record))

@@ -27,6 +27,7 @@ from distill.toy import world
 from distill.toy.recipe import Recipe
 from distill.toy.render import render_clips
 from distill.toy.shipped import ASSETS
+from distill.toy.stream_score import render_stream
 from distill.toy.vae_fit import to_vae_input
 
 ADHERENCE_GATE = 0.88
@@ -50,6 +51,13 @@ def shape_weight(x: torch.Tensor) -> torch.Tensor:
     return 1.0 + (SHAPE_WEIGHT - 1.0) * rim
 
 
+def world_clips(scenes: list[world.Scene], size: int, frames: int) -> np.ndarray:
+    """The world's clips of `scenes` (N, frames, size, size, 3); past its clip length, its streams."""
+    if frames <= world.CLIP_FRAMES:
+        return render_clips(scenes, size, frames)
+    return np.stack([render_stream(scene, frames, size) for scene in scenes])
+
+
 def decoder_parameters(vae: Any) -> list[torch.nn.Parameter]:
     """The parameters that turn latents into pixels: post_quant_conv and the decoder."""
     return [*vae.post_quant_conv.parameters(), *vae.decoder.parameters()]
@@ -65,11 +73,13 @@ def refit_decoder(
     check_every: int = 0,
     check: Any = None,
     device: str | torch.device = "cpu",
+    frames: int | None = None,
 ) -> Any:
     """Train `vae`'s decoder for `steps` on fresh world clips; the encoder (and quant_conv) frozen.
     `check(step)` runs every `check_every` steps with the VAE in eval mode (a score, a save). The
     clips and noise are drawn on the CPU, so `device` changes where the arithmetic runs only; the VAE
-    is back on the CPU at the end."""
+    is back on the CPU at the end. `frames` longer than the world's clip trains on its right streams
+    of that length (`stream_score.render_stream`: the clip's motion continued per frame)."""
     vae.to(device).eval().requires_grad_(False)
     params = decoder_parameters(vae)
     for p in params:
@@ -89,7 +99,7 @@ def refit_decoder(
         for step in range(steps):
             # Seeds far from the fit's and the held-out cases' (image_score.HELD_OUT_SEED).
             scenes = world.sample_scenes(batch, seed * 7919 + 38 * 10**6 + step, clips=True)
-            x = to_vae_input(render_clips(scenes, recipe.size, recipe.clip_frames)).to(device)
+            x = to_vae_input(world_clips(scenes, recipe.size, frames or recipe.clip_frames)).to(device)
             with torch.no_grad():
                 mean = vae.encode(x).latent_dist.mode()
                 noise = torch.randn(mean.shape, generator=generator).to(device)

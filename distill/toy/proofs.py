@@ -11,7 +11,7 @@ image-to-video ones of distill.toy.i2v_ship (i2v_dmd, i2v_lora) and the velocity
 the dmd students start from (stage1, clips_stage1: distill.toy.stage_one; i2v_stage1), and the
 toy user LoRA with the speed LoRA distilled against teacher + it (user_lora: distill.toy.user_lora,
 distill.toy.user_table; held to the four-row table's bars) and the causal streaming clip student
-(causal: distill.toy.causal_ship; held to the trained length's bars). Each run goes to
+(causal: distill.toy.causal_ship; held to the trained length's bars, its 3x stream's printed). Each run goes to
 outputs/proofs/NAME/; the shipped assets change only with --ship. A stage-1 student has no bars of
 its own: it must score, at 4 steps of the few-step sampler on the world's 216 prompts, within 0.05 of
 the shipped one it rebuilds. Prints one line per student and exits 1 when any bar is missed.

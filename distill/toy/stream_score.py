@@ -51,6 +51,10 @@ from distill.toy.render import render_track, track
 from distill.toy.score import SLOW_BELOW, STILL_BELOW, Reading, read, read_clip
 from distill.toy.world import CLIP_FRAMES, DIRECTIONS, SPEEDS, STILL, Scene, parse_prompt, scene_for
 
+LONG_FRAMES = 4 * (3 * ((CLIP_FRAMES - 1) // 4 + 1) - 1) + 1
+"""A stream 3x the trained clip: 33 frames, 9 latent frames (the VAE packs 4 frames a latent frame after
+the first) against the clip's 3, so 3x its chunks. (25 frames would be 3x its frame steps only: 7
+latent frames.)"""
 SIZE_TOLERANCE = 0.2
 """Largest relative change of the read size (sqrt of the area) from the trained span's median that
 still counts as the same shape: the world's whole size range is +-18% around its middle, and a whole
@@ -211,8 +215,9 @@ def score_stream(clips: Sequence[np.ndarray], prompts: Sequence[str], seed: int 
 
     motion, motion_per_speed = ratio("speed")
     late, _ = ratio("late_speed")
+    correct = [all(right[n][i] for n in right) for i in range(len(readings))]
     return {
-        "accuracy": float(np.mean([all(right[n][i] for n in right) for i in range(len(readings))])),
+        "accuracy": float(np.mean(correct)),
         "per_attribute": {name: float(np.mean(values)) for name, values in right.items()},
         "identity": float(np.mean([r["identity"] for r in readings])),
         "motion_ratio": motion,
@@ -221,4 +226,9 @@ def score_stream(clips: Sequence[np.ndarray], prompts: Sequence[str], seed: int 
         "frames_shown": float(np.mean([r["shown"] for r in readings])),
         "world_frames_shown": float(np.mean([r["shown"] for r in reference])),
         "count": len(readings),
+        # Per stream, in the prompts' order: every attribute right, its identity held, and its speed
+        # per frame (picture fractions; 0 without a track).
+        "correct": correct,
+        "held": [bool(r["identity"]) for r in readings],
+        "speeds": [float(r["speed"] or 0.0) for r in readings],
     }
