@@ -45,3 +45,4 @@ def test_the_reader_is_the_teachers_vae_with_only_its_decoder_refit():
     wanted = {"frames": stream_reader.STREAM_FRAMES, "steps": stream_reader.STEPS, "lr": stream_reader.LR}
     assert record["refit"] == wanted | {"batch": stream_reader.BATCH}
     assert record["floor"]["count"] == 216 == len(record["floor"]["held"])
+    assert "_name_or_path" not in (stream_reader.READER / "config.json").read_text()  # no machine's paths

@@ -300,10 +300,10 @@ def train(
     return out_dir
 
 
-def forget_source_paths(folder: Path) -> None:
-    """Drop `_name_or_path` from the saved configs: a part loaded with --from records the folder it
-    came from, and the shipped teacher must carry no machine's paths."""
-    for config in folder.glob("*/config.json"):
+def forget_source_paths(folder: Path, configs: str = "*/config.json") -> None:
+    """Drop `_name_or_path` from the saved configs (`configs`, a glob in `folder`): a part loaded with
+    --from records the folder it came from, and a shipped folder must carry no machine's paths."""
+    for config in folder.glob(configs):
         settings = json.loads(config.read_text())
         if settings.pop("_name_or_path", None) is not None:
             config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")

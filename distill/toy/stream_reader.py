@@ -98,10 +98,12 @@ def make_record(vae: Any) -> dict[str, Any]:
 
 
 def ship(vae: Any, record: dict[str, Any], dest: Path = READER) -> Path:
+    from distill.toy.build import forget_source_paths
     from distill.toy.shipped import staged_folder
 
     with staged_folder(dest) as staging:
         vae.save_pretrained(staging)
+        forget_source_paths(staging, "config.json")
         (staging / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return dest
 
