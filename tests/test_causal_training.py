@@ -119,6 +119,33 @@ def test_gradient_flows_only_through_each_chunks_exit_step(tiny_teacher: Path) -
     assert noise.grad.abs().sum(dim=(0, 1, 3, 4)).gt(0).all()
 
 
+def test_a_rollout_longer_than_the_clip_returns_and_trains_only_its_judged_window(tiny_teacher: Path) -> None:
+    """judged_from: the chunks before it are the judged window's context, made as the others are but
+    without gradient; the window is the same numbers as the rollout of the whole stream."""
+    model = causal_expert(tiny_teacher)
+    generator = torch.Generator().manual_seed(3)
+    noise, text = torch.randn(1, 16, 5, 8, 8, generator=generator), torch.randn(1, 7, 32, generator=generator)
+    timesteps, sigmas = grid()
+    seen: list[bool] = []
+    model.register_forward_hook(lambda _m, _a, out: seen.append(out[0].requires_grad))
+
+    def draw(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=torch.Generator().manual_seed(len(seen)))
+
+    window = rollout_clip(model, noise, text, timesteps, sigmas, draw, 1, window=2, judged_from=2)
+    assert window.shape[2] == 3 and window.requires_grad
+    # Per chunk: step 0 and the exit step 1, then the t=0 context pass (none after the last chunk);
+    # only the exit forwards of chunks 2, 3 and 4 carry gradient.
+    exits = [seen[i * 3 + 1] for i in range(5)]
+    assert exits == [False, False, True, True, True] and sum(seen) == 3, seen
+    seen.clear()
+    with torch.no_grad():
+        whole = rollout_clip(model, noise, text, timesteps, sigmas, draw, 1, window=2)
+    torch.testing.assert_close(window.detach(), whole[:, :, 2:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="judged_from 5"):
+        rollout_clip(model, noise, text, timesteps, sigmas, draw, 1, judged_from=5)
+
+
 def test_gradient_checkpointing_gives_the_gradients_of_the_rollout_without_it(tiny_teacher: Path) -> None:
     """The blocks recomputed in backward run after the rollout moved on (another chunk, a longer cache):
     causal_checkpointing replays each forward's own pass, so the gradients are those without it."""
@@ -250,6 +277,51 @@ def test_self_forcing_trains_resumes_bitwise_and_its_export_streams(
         run(causal_args(tiny_teacher, tmp_path / "resumed", cache, **{**common, "student_chunk_frames": 3}))
 
 
+def test_self_forcing_judges_random_windows_of_a_rollout_longer_than_the_clip(
+    tiny_teacher: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--rollout_frames 17 (5 latent frames) of a 9-frame clip: every rollout streams to the end of a
+    3-frame window drawn among the 3 chunk-aligned ones, on generate --stream's default KV window."""
+    from distill.train.methods import self_forcing
+
+    rollouts: list[tuple[int, int, int | None, int]] = []
+
+    def spy(student: torch.nn.Module, noise: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        clip = rollout_clip(student, noise, *args, **kwargs)
+        rollouts.append((noise.shape[2], kwargs["judged_from"], kwargs["window"], clip.shape[2]))
+        return clip
+
+    judged: list[tuple[int, torch.Tensor | None]] = []
+    positions = self_forcing.SelfForcingMethod.judged_positions
+
+    def judged_positions(method: self_forcing.SelfForcingMethod, *args: object) -> torch.Tensor | None:
+        judged.append((method.judged_from, positions(method, *args)))
+        return judged[-1][1]
+
+    monkeypatch.setattr(self_forcing, "rollout_clip", spy)
+    monkeypatch.setattr(self_forcing.SelfForcingMethod, "judged_positions", judged_positions)
+    common = dict(rollout_frames=17, checkpoint_every=2)
+    result = run(causal_args(tiny_teacher, tmp_path / "long", tmp_path / "cache", num_steps=4, **common))
+    assert result.last_loss == result.last_loss and len(rollouts) == 6  # 4 critic, 2 generator updates
+    starts = [start for _, start, _, _ in rollouts]
+    assert all(
+        frames == start + 3 and window == 2 and judged == 3 for frames, start, window, judged in rollouts
+    )
+    assert set(starts) <= {0, 1, 2} and len(set(starts)) > 1, starts
+    # The generator update leaves out a window's first latent frame unless the window starts the stream.
+    assert [start for start, _ in judged] == [starts[0], starts[3]]  # steps 1 and 3 update the student
+    for start, weight in judged:
+        if start == 0:
+            assert weight is None
+        else:
+            assert weight is not None and weight[:, :, 0].eq(0).all() and weight[:, :, 1:].eq(1).all()
+    meta = json.loads((result.output_dir / "checkpoints" / "step_00000004" / "meta.json").read_text())
+    assert meta["identity"]["rollout_frames"] == 17
+    # Another rollout length is another objective: the run does not continue under it.
+    with pytest.raises(DistillError, match="rollout frames"):
+        run(causal_args(tiny_teacher, tmp_path / "long", tmp_path / "cache", num_steps=6, rollout_frames=33))
+
+
 @pytest.fixture(scope="module")
 def i2v_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("causal_i2v")
@@ -278,6 +350,24 @@ def test_the_causal_methods_train_an_image_to_video_student(
     result = run(args)
     assert result.last_loss is not None and result.last_loss == result.last_loss
     assert (result.output_dir / "student" / "causal_config.json").is_file()
+
+
+def test_a_longer_rollout_of_image_to_video_samples_is_refused_before_the_teacher_loads(
+    i2v_world: dict[str, Path], tmp_path: Path
+) -> None:
+    args = causal_args(
+        i2v_world["teacher"],
+        tmp_path / "out",
+        tmp_path / "cache",
+        data_path=i2v_world["pairs"],
+        student_config=i2v_world["student"],
+        rollout_frames=17,
+    )
+    with pytest.raises(DistillError) as refused:
+        Distiller(parse_config(args))
+    assert "--rollout_frames 17 cannot be combined with image-to-video samples" in refused.value.title
+    assert any("leave --rollout_frames out" in fix for fix in refused.value.fixes)
+    assert not (tmp_path / "cache").exists()
 
 
 def test_ode_init_lowers_its_regression_loss(tiny_teacher: Path, tmp_path: Path) -> None:
@@ -318,6 +408,22 @@ def test_ode_init_lowers_its_regression_loss(tiny_teacher: Path, tmp_path: Path)
             "drop --student_lora_rank",
         ),
         (dict(student_chunk_frames=-1), "--student_chunk_frames -1", "--student_chunk_frames 3"),
+        (
+            dict(rollout_frames=5),
+            "--rollout_frames 5 is shorter than --num_frames 9",
+            "--rollout_frames 33, 37",
+        ),
+        (dict(rollout_frames=31), "--rollout_frames 31 is not whole chunks", "--rollout_frames 33, 37, 41"),
+        (
+            dict(rollout_frames=29, student_chunk_frames=3),
+            "--rollout_frames 29 is not whole chunks of --student_chunk_frames 3",
+            "--rollout_frames 33, 45, 57",
+        ),
+        (
+            dict(rollout_frames=33, method="dmd"),
+            "--rollout_frames needs --method self_forcing",
+            "--method self_forcing",
+        ),
     ],
 )
 def test_what_a_causal_student_cannot_do_is_refused_with_the_fix(
@@ -335,6 +441,12 @@ def test_settings_at_their_off_values_are_accepted(tiny_teacher: Path) -> None:
     assert cfg.method == "self_forcing" and cfg.student_chunk_frames == CHUNK
     cfg = parse_config(train_args(tiny_teacher, Path("u"), Path("u"), student_chunk_frames=0))
     assert not cfg.student_chunk_frames and cfg.method == "velocity"
+    # The clip's own rollout, named: 0 or --num_frames, with any method.
+    for method, rollout in (("self_forcing", 9), ("self_forcing", 0), ("dmd", 9), ("ode_init", 0)):
+        cfg = parse_config(
+            causal_args(tiny_teacher, Path("u"), Path("u"), method=method, rollout_frames=rollout)
+        )
+        assert cfg.rollout_frames == rollout
 
 
 def test_a_causal_start_is_not_trained_bidirectionally(tmp_path: Path) -> None:

@@ -107,6 +107,7 @@ CHANGING_VALUES = {
     "dmd_inputs": "data",
     "regression_weight": 0.25,
     "reference_prompts": 8,
+    "rollout_frames": 33,
     "eval_prompts": str(PROMPTS),
     "eval_num_buckets": 3,
     "eval_samples_per_bucket": 2,

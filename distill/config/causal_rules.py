@@ -66,6 +66,7 @@ def check_causal_settings(cfg: Any) -> None:
                 "causal student never runs (it makes the clip chunk by chunk on its clean past).",
                 "drop --regression_weight; start from an --method ode_init student instead (docs/streaming.md)",
             )
+        check_rollout_frames(cfg.rollout_frames, cfg.num_frames, chunk)
     if not chunk:
         return
     if cfg.student_lora_rank:
@@ -90,4 +91,28 @@ def check_causal_settings(cfg: Any) -> None:
             f"--student_chunk_frames {chunk}",
             "A causal student makes the clip in whole chunks.",
             f"use --num_frames {counts} (or another --student_chunk_frames)",
+        )
+
+
+def check_rollout_frames(rollout: int | None, num_frames: int, chunk: int) -> None:
+    """Refuse a --rollout_frames a causal student cannot stream: shorter than the clip the teacher
+    judges, or not whole chunks. None, 0 and --num_frames itself are the clip's own rollout."""
+    if rollout in (None, 0, num_frames):
+        return
+    assert rollout is not None
+    three_times = (3 * latent_frames(num_frames) - 1) * TEMPORAL_STRIDE + 1  # 3x the clip's chunks
+    counts = ", ".join(str(n) for n in frame_counts(chunk, three_times))
+    if rollout < num_frames:
+        raise _refuse(
+            f"--rollout_frames {rollout} is shorter than --num_frames {num_frames}",
+            "The teacher and the critic judge a window of --num_frames frames of the rollout, so the "
+            "rollout is at least that long.",
+            f"use --rollout_frames {counts} (3x and on), or leave it out to roll out the clip",
+        )
+    if rollout % TEMPORAL_STRIDE != 1 or latent_frames(rollout) % chunk:
+        raise _refuse(
+            f"--rollout_frames {rollout} is not whole chunks of --student_chunk_frames {chunk}",
+            f"The student streams whole chunks of {chunk} latent frame(s) ({TEMPORAL_STRIDE} frames each "
+            "after the first).",
+            f"use --rollout_frames {counts}",
         )

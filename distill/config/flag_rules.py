@@ -95,6 +95,15 @@ TRAIN_DEPENDENTS = (
         "add --method dmd (from a trained student: README, the two-stage recipe)",
     ),
     Dependent(
+        ("rollout_frames",),
+        # At 0 or the clip's own length it asks for the rollout every causal run has.
+        lambda c: c.method == "self_forcing" or c.rollout_frames in (None, 0, c.num_frames),
+        "--method self_forcing",
+        "it sets how far a causal student's training rollout streams; only Self-Forcing rolls the student out",
+        "add --method self_forcing (with --student_chunk_frames; docs/streaming.md)",
+        off={"rollout_frames": 0},
+    ),
+    Dependent(
         ("reference_prompts",),
         lambda c: (
             c.method == "self_forcing"

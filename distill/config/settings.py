@@ -207,6 +207,13 @@ class TrainConfig:
         0.0,
         "dmd: weight of an MSE term pulling the student's first step onto the teacher's (noise -> x0) pairs.",
     )
+    rollout_frames: int | None = _opt(
+        None,
+        "self_forcing: frames of the student's training rollout, longer than --num_frames to train streaming "
+        "past the trained length (e.g. 3x): each update streams this many frames on the KV cache window of "
+        "generate --stream and the critic and the teacher judge a random --num_frames window of it. Whole "
+        "chunks; text-to-video teachers. Left out (or equal to --num_frames): the rollout is the clip.",
+    )
     reference_prompts: int = _opt(
         16,
         "dmd with simulate inputs and no regression (its updates never read the teacher's clean latents): "

@@ -140,8 +140,7 @@ def default_window(layout: CausalLayout, trained_frames: int | None, temporal: i
     being made, at least 1), else DEFAULT_WINDOW."""
     if trained_frames is None:
         return DEFAULT_WINDOW
-    chunks = ((trained_frames - 1) // temporal + 1) // layout.chunk_frames
-    return max(1, chunks - 1)
+    return layout.trained_window((trained_frames - 1) // temporal + 1)
 
 
 @dataclass

@@ -5,7 +5,8 @@ the trained clip length and 3x longer, scored as the toy world scores clips. Not
 
 Starts from the shipped bidirectional 4-step dmd clip student (assets/toy_student_clips_dmd), makes it
 causal over chunks of `--chunk` latent frames, runs `--ode_steps` of ode_init and
-`--self_forcing_steps` of self_forcing (both on `--max_prompts` prompts' teacher samples), then samples
+`--self_forcing_steps` of self_forcing (both on `--max_prompts` prompts' teacher samples; with
+`--rollout_frames 33` self_forcing rolls out 3x the clip and judges a window of it), then samples
 the scored clip prompts with the same noise (seed = the prompt's index) and prints and writes
 results.json, one row each:
 
@@ -117,11 +118,15 @@ def ode_init_extra(lr: float | str = ODE_LR, max_prompts: int = MAX_PROMPTS) -> 
 
 
 def self_forcing_extra(
-    lr: float | str = SELF_FORCING_LR, critic_lr: float | str = CRITIC_LR, max_prompts: int = MAX_PROMPTS
+    lr: float | str = SELF_FORCING_LR,
+    critic_lr: float | str = CRITIC_LR,
+    max_prompts: int = MAX_PROMPTS,
+    rollout_frames: int | None = None,
 ) -> list[str]:
     return [
         *("--batch_size", "8", "--lr", str(lr), "--critic_lr", str(critic_lr)),
         *("--critic_updates", "5", "--max_prompts", str(max_prompts)),
+        *(("--rollout_frames", str(rollout_frames)) if rollout_frames else ()),
     ]
 
 
@@ -185,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--self_forcing_steps", type=integer(0), default=SELF_FORCING_STEPS)
     parser.add_argument("--self_forcing_lr", default=SELF_FORCING_LR)
     parser.add_argument("--critic_lr", default=CRITIC_LR)
+    parser.add_argument(
+        "--rollout_frames", type=integer(1), default=None, help="self_forcing's rollout (default: the clip)"
+    )
     parser.add_argument("--max_prompts", type=integer(1), default=MAX_PROMPTS)
     parser.add_argument("--prompts", type=integer(1), default=EVAL_CLIP_PROMPTS)
     parser.add_argument("--window", type=integer(1), default=None, help="KV cache window in chunks")
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             start,
             args.chunk,
             args.self_forcing_steps,
-            self_forcing_extra(args.self_forcing_lr, args.critic_lr, args.max_prompts),
+            self_forcing_extra(args.self_forcing_lr, args.critic_lr, args.max_prompts, args.rollout_frames),
             args.cache_dir,
         )
     prompts = eval_prompts(args.prompts, clips=True)

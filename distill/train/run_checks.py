@@ -124,6 +124,24 @@ def check_learned_frames(cfg: TrainConfig, info: TeacherInfo, image: bool) -> No
     )
 
 
+def check_rollout_images(cfg: TrainConfig, info: TeacherInfo, image: bool) -> None:
+    """Refuse a Self-Forcing rollout longer than the clip (--rollout_frames) for samples with an image:
+    the image is the first chunk's, so a window judged past it would be judged by the teacher as a
+    clip without its image (or with the wrong one)."""
+    if not image or cfg.rollout_frames in (None, 0, cfg.num_frames):
+        return
+    raise DistillError(
+        f"--rollout_frames {cfg.rollout_frames} cannot be combined with image-to-video samples",
+        f"{info.kind.model} sees the image in a clip's first latent frame; a window of the longer "
+        "rollout past it has no image the teacher could judge it against.",
+        fixes=[
+            "leave --rollout_frames out for image-to-video samples (the rollout is then the clip)",
+            "or train the stream's length on a text-to-video teacher (a .txt --data_path)",
+        ],
+        stage=Stage.CONFIG,
+    )
+
+
 def check_pretrained_shape(
     loaded: Any, config: dict[str, Any], init: str, flag: str, name: str = "student"
 ) -> None:

@@ -70,6 +70,7 @@ from distill.train.run_checks import (
     check_one_transformer_settings,
     check_pretrained_shape,
     check_resolution,
+    check_rollout_images,
     teacher_load_waves,
 )
 from distill.train.sequence_parallel import context_groups, split_model
@@ -130,6 +131,7 @@ class Distiller:
         data, kind = cfg.data_path, self.info.kind
         self.samples = read_training_samples(data, kind, cfg.max_prompts, decode=cfg.dry_run)
         check_learned_frames(cfg, self.info, image=self.samples[0].image is not None)
+        check_rollout_images(cfg, self.info, image=self.samples[0].image is not None)
         self.prompts = [sample.prompt for sample in self.samples]
         # The samples the teacher samples a clean latent for before step 1: every training sample,
         # unless the method's updates never read them (data-free dmd: a reference set for metrics).

@@ -29,6 +29,11 @@ class CausalLayout:
     def whole_chunks(self, latent_frames: int) -> bool:
         return latent_frames % self.chunk_frames == 0
 
+    def trained_window(self, trained_latent_frames: int) -> int:
+        """Past chunks a stream keeps so that each chunk sees the span it was trained on: those of the
+        trained clip but the chunk being made (at least 1)."""
+        return max(1, trained_latent_frames // self.chunk_frames - 1)
+
 
 def check_chunk_frames(chunk_frames: Any, source: str = "chunk_frames") -> int:
     """`chunk_frames` if it is a positive whole number of latent frames, else a refusal naming `source`."""

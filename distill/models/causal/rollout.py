@@ -20,6 +20,7 @@ leave the earlier steps' estimates untrained under the causal mask.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -45,6 +46,7 @@ def rollout_clip(
     condition: Condition | None = None,
     grad_model: torch.nn.Module | None = None,
     window: int | None = None,
+    judged_from: int = 0,
 ) -> torch.Tensor:
     """The clip (B, C, F, h, w), float32: each chunk's clean estimate at step `exit_step` of the grid
     (`timesteps` (K,), `sigmas` (K+1,)), rolled out from `noise` (B, C, F, h, w) chunk after chunk.
@@ -53,6 +55,10 @@ def rollout_clip(
     student) runs each chunk's exit step, with gradient when grad is enabled. `draw_noise(shape)`
     gives each earlier step's re-noising, chunk by chunk. `condition` covers the whole clip and is cut
     to each chunk. `window` bounds the chunks the cache keeps (None: all of them).
+
+    `judged_from` (a chunk boundary): only the frames from it on are returned and carry gradient; the
+    chunks before it are made the same way, without gradient, as the context the judged ones continue
+    (a training rollout longer than the clip the teacher judges, distill/train/methods/self_forcing.py).
     """
     layout = causal_layout(student)
     if layout is None:
@@ -62,6 +68,8 @@ def rollout_clip(
         raise ValueError(f"{frames} latent frames are not whole chunks of {chunk}")
     if not 0 <= exit_step < len(timesteps):
         raise ValueError(f"exit step {exit_step} is not a step of a {len(timesteps)}-step grid")
+    if judged_from % chunk or not 0 <= judged_from < frames:
+        raise ValueError(f"judged_from {judged_from} is not a chunk boundary inside {frames} latent frames")
     grad_model = grad_model if grad_model is not None else student
     device, batch = noise.device, noise.shape[0]
     dtype = getattr(student, "dtype", torch.float32)
@@ -85,14 +93,17 @@ def rollout_clip(
                         kind=kind,
                         condition=part,
                     )
-            velocity = conditioned(grad_model, kind, part)(
-                hidden_states=x.to(dtype),
-                timestep=timesteps[exit_step].to(device).expand(batch),
-                encoder_hidden_states=cond,
-                return_dict=False,
-            )[0].float()
+            judged = first >= judged_from
+            with contextlib.nullcontext() if judged else torch.no_grad():
+                velocity = conditioned(grad_model if judged else student, kind, part)(
+                    hidden_states=x.to(dtype),
+                    timestep=timesteps[exit_step].to(device).expand(batch),
+                    encoder_hidden_states=cond,
+                    return_dict=False,
+                )[0].float()
         clean = blend_latents(kind, x.float() - sigma * velocity, part)
-        parts.append(clean)
+        if judged:
+            parts.append(clean)
         if first + chunk < frames:  # the estimate, detached, is the next chunks' clean context
             with torch.no_grad(), causal_pass(student, start_frame=first, cache=cache, commit=True):
                 conditioned(student, kind, part)(

@@ -315,6 +315,11 @@ class DmdMethod(Method):
             return x0_hat, None, k
         return x0_hat, inputs[n:] - self.sigmas[0].to(device) * velocity[n:], k
 
+    def judged_positions(self, x_t: torch.Tensor, condition: Condition | None) -> torch.Tensor | None:
+        """Which positions of the student's last sample the generator update counts: those the
+        condition leaves to the model (`loss_weight`; None: all)."""
+        return loss_weight(self.env.teacher.kind, x_t, condition)
+
     # -- losses --------------------------------------------------------------------------------
     def loss(self, update: str, batch: dict[str, torch.Tensor], rng: BatchRandomness) -> UpdateLoss:
         cond = batch["cond"].to(self.env.device, torch.float32, non_blocking=True)
@@ -392,7 +397,7 @@ class DmdMethod(Method):
         noise = rng.noise(tuple(x0_hat.shape))
         x_t = add_noise(x0_hat.detach(), noise, sigmas)
         condition = batch_condition(batch, env.device)
-        weight = loss_weight(env.teacher.kind, x_t, condition)
+        weight = self.judged_positions(x_t, condition)
         real, fake = score_estimates(
             x_t,
             sigmas,

@@ -1,0 +1,119 @@
+"""How the toy teacher judges windows of the world's own 33-frame streams: what a Self-Forcing run with
+--rollout_frames asks of it, measured without training anything.
+
+    python -m distill.toy.window_judge            # ~1 min on one thread
+
+A rollout longer than the clip is judged a window at a time: the teacher denoises a noised window of
+the clip's length and dmd moves the student along its answer. That is only as good as the teacher's
+answer on windows past the clip's start. This encodes the world's right streams (stream_score's
+`render_stream`, the prompts' own motion continued) with the teacher's VAE, noises windows of 3
+latent frames starting at latent frame 0, 2, 4 and 6, and prints, per noise level and window:
+
+- the teacher's error on each frame of the window (its guided clean estimate against the window,
+  mean squared, over the windows' mean square): how far it would move a right stream;
+- the mean change between consecutive latent frames, of the window and of the teacher's estimate:
+  whether it keeps the window's motion or puts its own in.
+
+On the window that starts the stream the teacher's answer is the window (the 9-frame clips it was
+trained on); past it the named quadrant no longer holds the shape, and most shapes have left the
+picture, which none of the world's clips shows.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from distill.ops.command import Parser, entry_point
+
+TEACHER = "outputs/toy-wan"
+WINDOW = 3  # latent frames of the trained 9-frame clip
+STARTS = (0, 2, 4, 6)
+SIGMAS = (0.3, 0.6, 0.9)
+GUIDANCE = (3.0, 1.5)  # the toy clip students' teacher guidance (distill/toy/causal_students.py)
+
+
+def stream_latents(teacher: str, prompts: list[str], frames: int) -> torch.Tensor:
+    """The world's right `frames`-frame streams of `prompts` (prompt i's variation from one generator
+    of seed 0), encoded by the teacher's VAE and normalised as the trainer's latents are."""
+    from distill.models.pipelines import load_vae
+    from distill.toy.stream_score import render_stream
+    from distill.toy.world import scene_for
+
+    vae = load_vae(teacher, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    truth = np.stack([render_stream(scene_for(p, rng), frames) for p in prompts])
+    video = torch.from_numpy(truth).permute(0, 4, 1, 2, 3) * 2.0 - 1.0
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        return (vae.encode(video).latent_dist.mode() - mean) / std
+
+
+def frame_change(x: torch.Tensor) -> list[float]:
+    """Mean absolute change from each latent frame to the next, over the batch."""
+    return [round(v, 3) for v in (x[:, :, 1:] - x[:, :, :-1]).abs().mean(dim=(0, 1, 3, 4)).tolist()]
+
+
+def judge(teacher: str, count: int, frames: int) -> list[dict[str, Any]]:
+    """One row per noise level and window start (see the module's docstring)."""
+    from distill.models.guided_teacher import GuidedTeacher
+    from distill.models.pipelines import encode_prompts
+    from distill.models.teacher import inspect_teacher, load_expert
+    from distill.toy.stream_reader import STREAM_FRAMES
+    from distill.toy.t2v_students import scored_prompts
+
+    prompts = scored_prompts(True, count)
+    embeddings = encode_prompts(teacher, [*prompts, ""], 512, torch.device("cpu"), torch.float32)
+    cond = torch.stack([embeddings[p] for p in prompts])
+    info = inspect_teacher(teacher)
+    experts = [load_expert(info, name, torch.float32).eval() for name in ("transformer", "transformer_2")]
+    guided = GuidedTeacher(
+        *experts, info.boundary_ratio, *GUIDANCE, torch.device("cpu"), torch.float32, kind=info.kind
+    )
+    latents = stream_latents(teacher, prompts, frames or STREAM_FRAMES)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for sigma in SIGMAS:
+        noise = torch.randn(latents[:, :, :WINDOW].shape, generator=generator)
+        timesteps = torch.full((count,), int(sigma * 1000), dtype=torch.int64)
+        for start in STARTS:
+            window = latents[:, :, start : start + WINDOW]
+            noisy = (1 - sigma) * window + sigma * noise
+            velocity = guided.velocity(noisy, timesteps, cond, embeddings[""][None])
+            estimate = noisy - sigma * velocity
+            error = ((estimate - window) ** 2).mean(dim=(0, 1, 3, 4)) / window.pow(2).mean()
+            rows.append(
+                {
+                    "sigma": sigma,
+                    "start": start,
+                    "error": [round(v, 3) for v in error.tolist()],
+                    "change": frame_change(window),
+                    "teacher_change": frame_change(estimate),
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--teacher", default=TEACHER, help="the toy teacher (make demo writes it)")
+    parser.add_argument("--prompts", type=int, default=24, help="the first N scored clip prompts")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(
+        "| noise | window from latent frame | teacher's error per frame | change: window | change: teacher's estimate |"
+    )
+    print("|---|---|---|---|---|")
+    for row in judge(args.teacher, args.prompts, 0):
+        print(
+            f"| {row['sigma']} | {row['start']} | {row['error']} | {row['change']} | {row['teacher_change']} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(entry_point(main)())
