@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from distill.ops.command import Parser, entry_point
+from distill.ops.command import Parser, PathAction, entry_point, integer
+from distill.ops.paths import Kind
 
 TEACHER = "outputs/toy-wan"
 WINDOW = 3  # latent frames of the trained 9-frame clip
@@ -63,10 +64,10 @@ def judge(teacher: str, count: int, frames: int) -> list[dict[str, Any]]:
     from distill.models.guided_teacher import GuidedTeacher
     from distill.models.pipelines import encode_prompts
     from distill.models.teacher import inspect_teacher, load_expert
+    from distill.toy.evaluation import eval_prompts
     from distill.toy.stream_reader import STREAM_FRAMES
-    from distill.toy.t2v_students import scored_prompts
 
-    prompts = scored_prompts(True, count)
+    prompts = eval_prompts(count, clips=True)  # the first of the world's scored clip prompts
     embeddings = encode_prompts(teacher, [*prompts, ""], 512, torch.device("cpu"), torch.float32)
     cond = torch.stack([embeddings[p] for p in prompts])
     info = inspect_teacher(teacher)
@@ -98,17 +99,24 @@ def judge(teacher: str, count: int, frames: int) -> list[dict[str, Any]]:
     return rows
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--teacher", default=TEACHER, help="the toy teacher (make demo writes it)")
-    parser.add_argument("--prompts", type=int, default=24, help="the first N scored clip prompts")
+    parser.add_argument(
+        "--teacher",
+        default=TEACHER,
+        action=PathAction,
+        kind=Kind.FOLDER,
+        help="the toy teacher (make demo writes it)",
+    )
+    parser.add_argument("--prompts", type=integer(1), default=24, help="the first N scored clip prompts")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(
         "| noise | window from latent frame | teacher's error per frame | change: window | change: teacher's estimate |"
     )
     print("|---|---|---|---|---|")
-    for row in judge(args.teacher, args.prompts, 0):
+    for row in judge(str(args.teacher), args.prompts, 0):
         print(
             f"| {row['sigma']} | {row['start']} | {row['error']} | {row['change']} | {row['teacher_change']} |"
         )
@@ -116,4 +124,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(entry_point(main)())
+    sys.exit(main())

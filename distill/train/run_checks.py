@@ -98,6 +98,13 @@ def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[s
     )
 
 
+def check_sample_frames(cfg: TrainConfig, info: TeacherInfo, image: bool) -> None:
+    """What the run's frame settings ask of its samples (`image`: they carry one), refused if they
+    cannot give it: check_learned_frames, check_rollout_images."""
+    check_learned_frames(cfg, info, image)
+    check_rollout_images(cfg, info, image)
+
+
 def check_learned_frames(cfg: TrainConfig, info: TeacherInfo, image: bool) -> None:
     """Refuse a frame count that leaves no latent frame to learn: in TI2V-5B's image mode latent
     frame 0 is the image itself, so a run of one latent frame (--num_frames 1) would train on a

@@ -65,12 +65,11 @@ from distill.train.plan import choose_placement
 from distill.train.plan_parallel import run_plan
 from distill.train.run_checks import (
     check_causal_start,
-    check_learned_frames,
     check_lora_ranks,
     check_one_transformer_settings,
     check_pretrained_shape,
     check_resolution,
-    check_rollout_images,
+    check_sample_frames,
     teacher_load_waves,
 )
 from distill.train.sequence_parallel import context_groups, split_model
@@ -130,8 +129,7 @@ class Distiller:
         # a dry run decodes each in full: what it passes, the real run can read).
         data, kind = cfg.data_path, self.info.kind
         self.samples = read_training_samples(data, kind, cfg.max_prompts, decode=cfg.dry_run)
-        check_learned_frames(cfg, self.info, image=self.samples[0].image is not None)
-        check_rollout_images(cfg, self.info, image=self.samples[0].image is not None)
+        check_sample_frames(cfg, self.info, image=self.samples[0].image is not None)
         self.prompts = [sample.prompt for sample in self.samples]
         # The samples the teacher samples a clean latent for before step 1: every training sample,
         # unless the method's updates never read them (data-free dmd: a reference set for metrics).
