@@ -464,12 +464,19 @@ def test_two_ranks_train_a_causal_student_by_self_forcing_as_one_process(
     tiny_teacher: Path, tmp_path: Path
 ) -> None:
     """DDP with a rollout that makes several forwards carry gradient (one per chunk) before one
-    backward: 2 ranks of batch 1 give the losses and gradient norms of one process of batch 2."""
+    backward: 2 ranks of batch 1 give the losses and gradient norms of one process of batch 2. The
+    rollout is longer than the clip (--rollout_frames): each rank streams to the same judged window,
+    the chunks before it without gradient."""
     from test_distributed import assert_same_trajectory, launch
 
     def args(nproc: int, batch: int) -> list[str]:
         return causal_args(
-            tiny_teacher, tmp_path / f"n{nproc}", tmp_path / "cache", batch_size=batch, log_every=1
+            tiny_teacher,
+            tmp_path / f"n{nproc}",
+            tmp_path / "cache",
+            batch_size=batch,
+            log_every=1,
+            rollout_frames=17,
         )
 
     two = launch(args(2, 1), nproc=2).stderr
