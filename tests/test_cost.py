@@ -227,3 +227,35 @@ def test_the_stall_timeout_is_put_against_the_longest_stretch_in_words(stretch, 
     verdict = stall_verdict(stretch, "one forward", timeout)
     assert verdict.startswith(words), verdict
     assert "x that" not in verdict or stretch >= 1  # no ratio over a stretch that rounds to nothing
+
+
+def test_a_longer_self_forcing_rollout_is_counted_in_the_plan(tiny_teacher, tmp_path):
+    """--rollout_frames 33 of a 9-frame clip in chunks of 1: the rollout ends with a window drawn among
+    7 starts, so it is 2 clips long on average: twice the student's forwards without gradient of a
+    critic update, the exits before the window added to the generator's; the forwards with gradient
+    (the judged window) and everything else unchanged."""
+    from distill.train.cost import update_forwards
+
+    def plan(**extra):
+        args = train_args(
+            tiny_teacher,
+            tmp_path / "out",
+            tmp_path / "cache",
+            method="self_forcing",
+            student_chunk_frames=1,
+            num_frames=9,
+            student_steps=1,  # the rollout stops at step 0: no random depth
+            student_init="teacher",
+            **extra,
+        )
+        cfg = parse_config(args)
+        return update_forwards(cfg, Distiller(cfg).info)
+
+    clip, longer = plan(), plan(rollout_frames=33)
+    assert longer["critic"].no_grad["student"] == 2 * clip["critic"].no_grad["student"] == 2 * 2.0
+    assert longer["student"].no_grad["student"] == 2 * clip["student"].no_grad["student"] + 1.0 == 3.0
+    assert longer["student"].grad == clip["student"].grad and longer["critic"].grad == clip["critic"].grad
+    for update in ("student", "critic"):
+        assert {k: v for k, v in longer[update].no_grad.items() if k != "student"} == {
+            k: v for k, v in clip[update].no_grad.items() if k != "student"
+        }

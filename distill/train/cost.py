@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distill.config.causal_rules import latent_frames
 from distill.config.settings import TrainConfig
 from distill.models.teacher import TeacherInfo
 from distill.train.flops import model_flops
@@ -149,6 +150,15 @@ def rollout_depth(cfg: TrainConfig, boundary_ratio: float | None) -> float:
     return sum(choices) / len(choices)
 
 
+def rollout_length(cfg: TrainConfig) -> float:
+    """self_forcing with --rollout_frames: the mean rollout in clips (it ends with a window of the
+    clip's length drawn uniformly among the chunk-aligned ones), else 1."""
+    if cfg.method != "self_forcing" or not cfg.rollout_frames or cfg.rollout_frames <= cfg.num_frames:
+        return 1.0
+    clip, rollout = latent_frames(cfg.num_frames), latent_frames(cfg.rollout_frames)
+    return (clip + rollout) / (2.0 * clip)
+
+
 def update_forwards(cfg: TrainConfig, info: TeacherInfo) -> dict[str, Forwards]:
     """Per sample of a micro-batch: the forwards of each update the method runs."""
     shift = cfg.flow_shift if cfg.flow_shift is not None else info.flow_shift
@@ -162,13 +172,15 @@ def update_forwards(cfg: TrainConfig, info: TeacherInfo) -> dict[str, Forwards]:
     depth = rollout_depth(cfg, info.boundary_ratio)
     # self_forcing: each finished chunk also passes once at t=0 into the KV cache (about one more clip).
     context = 1.0 if cfg.method == "self_forcing" else 0.0
+    longer = rollout_length(cfg)
     generator = Forwards()
-    generator.add("student", depth + context)
+    # A longer rollout: every step of its chunks, and the exits of those before the judged window.
+    generator.add("student", (depth + context) * longer + (longer - 1.0))
     generator.add("student", 2.0 if cfg.regression_weight > 0 else 1.0, with_grad=True)
     generator.add("teacher", teacher)
     generator.add("critic", 1.0)
     critic = Forwards()
-    critic.add("student", depth + 1.0 + context)  # the rollout, then x0_hat
+    critic.add("student", (depth + 1.0 + context) * longer)  # the rollout, then x0_hat
     critic.add("critic", 1.0, with_grad=True)
     return {"student": generator, "critic": critic}
 
