@@ -120,7 +120,7 @@ def planned(recipe: Path) -> tuple[int, object, float, RunCost, str]:
     else:
         student = load_student_config(REPO / cfg.student_config, expert)
         critic = None
-        if cfg.method == "dmd":
+        if cfg.trains_critic:
             critic = load_student_config(REPO / (cfg.critic_config or cfg.student_config), expert)
             assert cfg.student_init != "random"
     cpu, node = torch.device("cpu"), min(world, 8)
