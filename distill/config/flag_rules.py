@@ -97,7 +97,7 @@ TRAIN_DEPENDENTS = (
     Dependent(
         ("rollout_frames",),
         # At 0 or the clip's own length it asks for the rollout every causal run has.
-        lambda c: c.method == "self_forcing" or c.rollout_frames in (None, 0, c.num_frames),
+        lambda c: c.method == "self_forcing" or not c.longer_rollout,
         "--method self_forcing",
         "it sets how far a causal student's training rollout streams; only Self-Forcing rolls the student out",
         "add --method self_forcing (with --student_chunk_frames; docs/streaming.md)",

@@ -634,6 +634,11 @@ class TrainConfig:
         return self.method in FEW_STEP_METHODS
 
     @property
+    def longer_rollout(self) -> bool:
+        """Whether --rollout_frames asks for more than the clip (None, 0 and --num_frames do not)."""
+        return bool(self.rollout_frames) and self.rollout_frames != self.num_frames
+
+    @property
     def trains_critic(self) -> bool:
         """Whether the method trains a critic beside the student (distribution matching)."""
         return self.method in CRITIC_METHODS

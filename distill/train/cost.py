@@ -153,7 +153,7 @@ def rollout_depth(cfg: TrainConfig, boundary_ratio: float | None) -> float:
 def rollout_length(cfg: TrainConfig) -> float:
     """self_forcing with --rollout_frames: the mean rollout in clips (it ends with a window of the
     clip's length drawn uniformly among the chunk-aligned ones), else 1."""
-    if cfg.method != "self_forcing" or not cfg.rollout_frames or cfg.rollout_frames <= cfg.num_frames:
+    if cfg.method != "self_forcing" or not cfg.longer_rollout:
         return 1.0
     clip, rollout = latent_frames(cfg.num_frames), latent_frames(cfg.rollout_frames)
     return (clip + rollout) / (2.0 * clip)

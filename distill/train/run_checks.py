@@ -135,7 +135,7 @@ def check_rollout_images(cfg: TrainConfig, info: TeacherInfo, image: bool) -> No
     """Refuse a Self-Forcing rollout longer than the clip (--rollout_frames) for samples with an image:
     the image is the first chunk's, so a window judged past it would be judged by the teacher as a
     clip without its image (or with the wrong one)."""
-    if not image or cfg.rollout_frames in (None, 0, cfg.num_frames):
+    if not image or not cfg.longer_rollout:
         return
     raise DistillError(
         f"--rollout_frames {cfg.rollout_frames} cannot be combined with image-to-video samples",

@@ -58,8 +58,8 @@ class SelfForcingMethod(DmdMethod):
     @staticmethod
     def identity(cfg: TrainConfig) -> dict[str, Any]:
         """dmd's, and a rollout longer than the clip (another objective: a resume with another is told)."""
-        longer = cfg.rollout_frames is not None and cfg.rollout_frames > cfg.num_frames
-        return {**DmdMethod.identity(cfg), **({"rollout_frames": cfg.rollout_frames} if longer else {})}
+        longer = {"rollout_frames": cfg.rollout_frames} if cfg.longer_rollout else {}
+        return {**DmdMethod.identity(cfg), **longer}
 
     def generate(
         self,
