@@ -107,7 +107,7 @@ HEAVIEST_MODULES = (
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The heaviest modules first, then those marked `long`: `make test` hands whole modules to its
-    two workers (--dist loadfile, so a module's expensive fixtures are built once), and the longest
+    workers (--dist loadfile, so a module's expensive fixtures are built once), and the longest
     ones started last would leave one worker alone at the end. The sort is stable: every module's
     tests stay together and in order."""
 
@@ -121,8 +121,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def one_thread_per_worker():
-    """Every test computes on one thread: `make test` runs two workers on two cores, and a worker
-    training on two threads while the other worker computes ran 10-20x slower than on one (a
+    """Every test computes on one thread: `make test` runs three workers on two cores, and a
+    worker training on two threads while another worker computes ran 10-20x slower than on one (a
     200-step tiny run took 232 s instead of 13 s: the threads wait on each other). Subprocesses get
     OMP_NUM_THREADS=1 from the Makefile."""
     import torch

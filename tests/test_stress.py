@@ -1,8 +1,8 @@
 """Every failure that involves a signal or a second process: the same exit codes and banners every
 time, and the checkpoint folder always resumes.
 
-`make test` runs every scenario once, here, on a machine the suite keeps busy (pytest -n 2: the other
-worker's tests take the other core, and this scenario's two ranks and its launcher share one). The
+`make test` runs every scenario once, here, on a machine the suite keeps busy (pytest -n 3 on two
+cores: the other workers' tests take the cores this scenario's two ranks and its launcher share). The
 four scenarios test_error_handling.py also runs as a command of its own (a dead DataLoader worker, a
 hung rank, an exception and a SIGKILL on one rank) run here only, with the checks of both
 (-m "not stress_twin"). `python -m distill.stress --runs N` is the long version: many runs of each,
