@@ -398,11 +398,6 @@ def test_ode_init_lowers_its_regression_loss(tiny_teacher: Path, tmp_path: Path)
         (dict(dmd_inputs="data"), "--dmd_inputs data cannot be combined", "drop --dmd_inputs"),
         (dict(regression_weight=0.5), "--regression_weight cannot be combined", "--method ode_init"),
         (
-            dict(sequence_parallel=2),
-            "cannot be combined with --sequence_parallel",
-            "--sequence_parallel at 1",
-        ),
-        (
             dict(student_lora_rank=4, student_config=None, student_init="random"),
             "cannot be combined with --student_lora_rank",
             "drop --student_lora_rank",

@@ -9,6 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, WARM_TORCHRUN, repo_pythonpath, train_args
@@ -28,6 +29,7 @@ from distill.train.plan import estimate, rank_latent_shape, step_activations
 from distill.train.sequence_parallel import check_sequence_parallel
 from train_distillation import main
 
+CAUSAL = {"student_chunk_frames": 1, "num_frames": 9, "student_init": "teacher", "max_prompts": 4}
 # 32x32 pixels, 1 frame: a 4x4 latent in 2x2 patches = 4 tokens, 2 per rank. The tiny teacher has 2
 # heads, the tiny student 4: Ulysses gives each rank whole heads.
 COMMON = dict(height=32, width=32, num_steps=3, lr=1e-3, log_every=1, batch_size=1)
@@ -35,15 +37,31 @@ COMMON = dict(height=32, width=32, num_steps=3, lr=1e-3, log_every=1, batch_size
 # student, dmd's critic; a LoRA student is the teacher's experts themselves, split once) and the
 # tokens each rank's blocks see.
 METHODS = {
-    "velocity": ({}, 3, 2),
-    "dmd": ({"method": "dmd"}, 4, 2),
-    "lora": ({"student_lora_rank": 4}, 2, 2),
+    "velocity": ({}, 3, [2]),
+    "dmd": ({"method": "dmd"}, 4, [2]),
+    "lora": ({"student_lora_rank": 4}, 2, [2]),
     # Experts sharded with FSDP2 over the same two ranks (one context group), the student's blocks
     # recomputed in backward; outputs depend on neither, so its reference is the velocity run's.
-    "shard": ({"teacher_placement": "shard", "gradient_checkpointing": True}, 3, 2),
+    "shard": ({"teacher_placement": "shard", "gradient_checkpointing": True}, 3, [2]),
     # TI2V-5B in image mode: one transformer, a timestep per token (frame 0's tokens at 0), split
     # with the tokens. 5 frames at 32x32 through its 16x VAE: 2 latent frames of one token each.
-    "ti2v": ({"num_frames": 5, "guidance_scale": 5.0, "max_prompts": 4}, 2, 1),
+    "ti2v": ({"num_frames": 5, "guidance_scale": 5.0, "max_prompts": 4}, 2, [1]),
+    # A causal student (the teacher's high-noise expert, chunks of 1 latent frame) on 9-frame clips:
+    # 3 latent frames of 4 tokens. ode_init runs it on the whole clip (6 tokens a rank); self_forcing
+    # streams 17 frames chunk by chunk on its KV cache (2 a rank), checkpointed, and the teacher and
+    # the critic judge a window of the clip's length (6).
+    "ode_init": ({**CAUSAL, "method": "ode_init"}, 3, [6]),
+    "self_forcing": (
+        {
+            **CAUSAL,
+            "method": "self_forcing",
+            "critic_updates": 2,
+            "rollout_frames": 17,
+            "gradient_checkpointing": True,
+        },
+        4,
+        [2, 6],
+    ),
 }
 REFERENCE = {"shard": "velocity"}
 
@@ -188,6 +206,12 @@ def measured_args(teacher: Path, root: Path, **more: object) -> list[str]:
     )
 
 
+def streamed(method: str, monitored: dict) -> dict:
+    """The self_forcing runs also stream their samples and report during training (chunk after chunk
+    on the KV cache): split, they must show what one process shows."""
+    return monitored if method == "self_forcing" else {}
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tiny_teacher, tmp_path_factory) -> tuple[Path, dict[str, Path], subprocess.CompletedProcess]:
     """One two-rank launch of every run the module compares: each method at --sequence_parallel 2,
@@ -195,7 +219,12 @@ def two_ranks(tiny_teacher, tmp_path_factory) -> tuple[Path, dict[str, Path], su
     root = tmp_path_factory.mktemp("sequence-parallel")
     cache = root / "cache"
     teachers = {"t2v": tiny_teacher, **{f"ti2v_{k}": v for k, v in ti2v_world(root / "ti2v").items()}}
-    runs: list = [args(teachers, root / f"{m}-cp2", cache, m, sequence_parallel=2) for m in METHODS]
+    (root / "sample_prompts.txt").write_text("a red cube\na blue sphere on grass\na green cone at night\n")
+    monitored = dict(MONITORED, sample_prompts=root / "sample_prompts.txt")
+    runs: list = [
+        args(teachers, root / f"{m}-cp2", cache, m, sequence_parallel=2, **streamed(m, monitored))
+        for m in METHODS
+    ]
     # The velocity run again, stopped by SIGTERM at step 2 and resumed from its checkpoint.
     runs.append(
         {
@@ -203,8 +232,6 @@ def two_ranks(tiny_teacher, tmp_path_factory) -> tuple[Path, dict[str, Path], su
             "fault": "sigterm:2",
         }
     )
-    (root / "sample_prompts.txt").write_text("a red cube\na blue sphere on grass\na green cone at night\n")
-    monitored = dict(MONITORED, sample_prompts=root / "sample_prompts.txt")
     runs += [
         args(
             teachers, root / f"{m}-dp2", cache, m, seed=GROUPS_SEED, **(monitored if m == "velocity" else {})
@@ -228,13 +255,15 @@ def test_two_ranks_splitting_each_sample_train_like_one_process(two_ranks, capsy
         for rank in (0, 1):
             assert (
                 f"rank {rank} finished {root / f'{method}-cp2'}: 3 steps, split {models} transformer(s), "
-                f"their blocks saw sequence lengths [{tokens}]"
+                f"their blocks saw sequence lengths {tokens}"
             ) in proc.stdout, proc.stdout
         reference = root / f"{REFERENCE.get(method, method)}-one"
         if method not in REFERENCE:
-            assert main(args(teachers, reference, root / "cache", method)) == 0
+            monitored = dict(MONITORED, sample_prompts=root / "sample_prompts.txt")
+            assert main(args(teachers, reference, root / "cache", method, **streamed(method, monitored))) == 0
             capsys.readouterr()
         assert_trained_alike(reference, root / f"{method}-cp2", method)
+    assert_same_samples_and_report(root / "self_forcing-one", root / "self_forcing-cp2")
     assert proc.stderr.count("all 2 ranks hold identical") >= len(METHODS)
     # Resumed under sequence parallel: the same bits as the run that was not stopped.
     resumed = root / "resumed-cp2"
@@ -315,11 +344,15 @@ def assert_same_samples_and_report(reference: Path, run: Path) -> None:
     names = files(reference)
     assert names == files(run)
     pictures = [n for n in names if "_prompt_" in n]
-    assert len(pictures) == 6 and all(n.endswith(".png") for n in pictures)  # 3 prompts, teacher and student
+    assert len(pictures) == 6  # 3 prompts, teacher and student
     for name in pictures:
-        ours, theirs = (imageio.imread(out / name).astype(int) for out in (reference, run))
-        # 8-bit pixels of float outputs that agree to ~1e-6: a rounding step apart at most.
-        assert abs(ours - theirs).max() <= 1, name
+        if name.endswith(".png"):
+            ours, theirs = (imageio.imread(out / name).astype(int) for out in (reference, run))
+            # 8-bit pixels of float outputs that agree to ~1e-6: a rounding step apart at most.
+            assert abs(ours - theirs).max() <= 1, name
+        else:  # a clip: its frames through the MP4 encoder, which may round a step apart differently
+            frames = [np.stack(imageio.mimread(out / name)).astype(float) for out in (reference, run)]
+            assert frames[0].shape == frames[1].shape and abs(frames[0] - frames[1]).mean() < 0.5, name
     one, two = (
         json.loads((out / "eval" / "step_00000003" / "eval.json").read_text()) for out in (reference, run)
     )
@@ -373,6 +406,13 @@ def test_degrees_a_run_cannot_split_by_are_refused_naming_those_it_can(tiny_teac
     assert "--sequence_parallel 1, 2 (the degrees this run can use)" in text
     text = refusal(config(4), info, {"student": 8}, world=8, per_node=8)
     assert "does not divide the 6 tokens of a sample (--height 48 --width 32 --num_frames 1)" in text
+    # A causal student streams one chunk a forward: the chunk's tokens must split (9 frames are 3
+    # latent frames of 6 tokens; the clip's 18 split 9 ways, a chunk of one frame does not).
+    causal = dict(CAUSAL, method="ode_init")
+    text = refusal(config(9, **causal), info, {"student": 9}, world=9, per_node=9)
+    assert "does not divide the 6 tokens of a chunk of --student_chunk_frames 1 latent frame(s)" in text
+    whole_clip = config(9, **dict(causal, student_chunk_frames=3))
+    check_sequence_parallel(whole_clip, info, {"student": 9}, 9, 9, launched=True)
     # Samples and evaluations during training run with it (each context group renders together).
     check_sequence_parallel(config(2, save_samples=True, eval_interval=2), info, heads, 2, 2, launched=True)
     # The degrees named are accepted; 1 is never refused.

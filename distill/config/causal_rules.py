@@ -6,7 +6,6 @@ cannot work with it:
 - a LoRA student: its weights are the teacher's own experts, which also answer as the teacher (its
   clean latents, its score); they cannot attend causally for the student and over the whole clip
   for the teacher at once;
-- sequence parallel: the chunk-by-chunk attention needs every token of the clip on one rank;
 - a clip that is not whole chunks of latent frames.
 And --method self_forcing needs a causal student, whose own rollout is its generator's input (so
 neither dmd's `data` inputs nor its regression term on a first step from the teacher's noise).
@@ -76,12 +75,6 @@ def check_causal_settings(cfg: Any) -> None:
             "score over the whole clip; they cannot attend causally for the student at the same time.",
             "train a separate causal student: drop --student_lora_rank and pass --student_config and "
             "--student_init (e.g. a bidirectional dmd student)",
-        )
-    if cfg.sequence_parallel > 1:
-        raise _refuse(
-            "--student_chunk_frames cannot be combined with --sequence_parallel",
-            "A causal student attends chunk by chunk, which needs every token of the clip on one rank.",
-            "leave --sequence_parallel at 1 (data parallel over whole clips still works)",
         )
     frames = latent_frames(cfg.num_frames)
     if frames % chunk:

@@ -6,6 +6,10 @@ embedding, each attention swaps sequence shards for head shards with an all-to-a
 is gathered again at `proj_out`, so a caller sees the whole output. The text (cross-attention)
 stays whole on every rank. Weight gradients are then each rank's share of the tokens: summed over a
 group they are the gradient of one process, which the loop's loss scale and DDP's mean produce.
+
+A processor of our own (the causal student's, distill/models/causal/attention.py) makes the same
+swaps itself with `heads_to_ranks` and `tokens_to_ranks`, over the group `ulysses_group` names, and
+attends as it must on every token of a share of the heads in between.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import logging
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from distill.models.attention_backend import has_backend, process_default_kept
@@ -59,3 +65,33 @@ def enable_context_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> int:
             module.enable_parallelism(config=ContextParallelConfig(ulysses_degree=mesh.size(), mesh=mesh))
         split += 1
     return split
+
+
+def ulysses_group(parallel_config: object | None) -> dist.ProcessGroup | None:
+    """The process group a processor's Ulysses all-to-alls run over (diffusers sets
+    `processor._parallel_config` in `enable_parallelism`), None for a model that is not split."""
+    context = getattr(parallel_config, "context_parallel_config", None)
+    if context is None:
+        return None
+    return context._ulysses_mesh.get_group()
+
+
+def heads_to_ranks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(batch, tokens / N, heads, dim) on each rank of the group -> (batch, tokens, heads / N, dim):
+    every token, this rank's share of the heads (the swap Ulysses makes before attention). The
+    all-to-all is differentiable: its backward is the reverse swap of the gradient."""
+    size = dist.get_world_size(group)
+    batch, local_tokens, heads, dim = x.shape
+    parts = x.reshape(batch, local_tokens, size, heads // size, dim).permute(2, 1, 0, 3, 4).contiguous()
+    parts = all_to_all_single_autograd(parts, None, None, group)  # [source rank, its tokens, ...]
+    return parts.flatten(0, 1).permute(1, 0, 2, 3)
+
+
+def tokens_to_ranks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The reverse of `heads_to_ranks`: (batch, tokens, heads / N, dim) -> (batch, tokens / N, heads,
+    dim), this rank's share of the tokens with every head (the swap after attention)."""
+    size = dist.get_world_size(group)
+    batch, tokens, local_heads, dim = x.shape
+    parts = x.reshape(batch, size, tokens // size, local_heads, dim).permute(1, 3, 0, 2, 4).contiguous()
+    parts = all_to_all_single_autograd(parts, None, None, group)  # [source rank, its heads, ...]
+    return parts.flatten(0, 1).permute(1, 2, 0, 3)

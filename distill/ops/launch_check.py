@@ -64,7 +64,9 @@ def wait_for_local_ranks(timeout: float = 30.0) -> None:
     torchrun stops the other ranks as soon as one exits with an error: on a busy machine a rank still
     starting would be killed before it printed, and the same mistake would give one banner or two.
     Each rank leaves a mark in a folder of this launch (its run id and restart) and waits for all
-    LOCAL_WORLD_SIZE marks; local rank 0 removes the folder once they are all there."""
+    LOCAL_WORLD_SIZE marks. The first rank to see them all removes the folder (the others then find
+    it gone and leave too): not rank 0 alone, which torchrun may stop before it gets there, as soon as
+    another rank has reported and exited."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     if run_id is None or ranks <= 1:
@@ -82,8 +84,7 @@ def wait_for_local_ranks(timeout: float = 30.0) -> None:
         try:
             if len(os.listdir(marks)) >= ranks:
                 break
-        except FileNotFoundError:  # rank 0 saw every mark and cleared the folder
-            break
+        except FileNotFoundError:  # another rank saw every mark and cleared the folder
+            return
         time.sleep(0.05)
-    if local_rank == "0":
-        shutil.rmtree(marks, ignore_errors=True)
+    shutil.rmtree(marks, ignore_errors=True)

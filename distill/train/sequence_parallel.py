@@ -30,6 +30,18 @@ def latent_tokens(cfg: TrainConfig, info: TeacherInfo) -> int:
     return (frames // patch[0]) * (height // patch[1]) * (width // patch[2])
 
 
+def split_tokens(cfg: TrainConfig, info: TeacherInfo) -> tuple[int, str]:
+    """The fewest tokens a forward of this run splits over a context group, and what they are in
+    words. A causal student's rollout runs one chunk at a time (the clip is whole chunks), the other
+    forwards a whole sample."""
+    tokens = latent_tokens(cfg, info)
+    chunk = cfg.student_chunk_frames
+    if not chunk:
+        return tokens, "a sample"
+    _, frames, _, _ = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
+    return tokens // frames * chunk, f"a chunk of --student_chunk_frames {chunk} latent frame(s)"
+
+
 def _refuse(title: str, details: str, fixes: list[str]) -> DistillError:
     return DistillError(title, details, fixes=fixes, stage=Stage.CONFIG)
 
@@ -51,7 +63,7 @@ def check_sequence_parallel(
     degree = cfg.sequence_parallel
     if degree == 1:
         return
-    tokens = latent_tokens(cfg, info)
+    tokens, what = split_tokens(cfg, info)
 
     def fits(d: int) -> bool:
         return not (world_size % d or ranks_per_node % d or tokens % d or any(h % d for h in heads.values()))
@@ -96,7 +108,7 @@ def check_sequence_parallel(
             )
     if tokens % degree:
         raise _refuse(
-            f"--sequence_parallel {degree} does not divide the {tokens} tokens of a sample "
+            f"--sequence_parallel {degree} does not divide the {tokens} tokens of {what} "
             f"(--height {cfg.height} --width {cfg.width} --num_frames {cfg.num_frames})",
             "Each rank of a context group holds tokens / N of them; uneven splits are not supported.",
             [others, "or a --height, --width or --num_frames whose token count N divides"],

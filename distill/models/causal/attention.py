@@ -19,6 +19,10 @@ student saves and loads as one, and any of our students (or the teacher's high-n
 made causal. What makes a saved student causal again is `causal_config.json` beside its config.json
 (distill/models/causal/layout.py).
 
+Under sequence parallel (diffusers' context parallel, Ulysses) the rope's output is split with the
+tokens as for any Wan model, and the processor makes the all-to-alls itself: every token of a share
+of the heads, attended chunk by chunk as in one process.
+
 What a forward does is set by `causal_pass` (no pass: the whole clip at once from frame 0, as in
 training); the streaming sampler (distill/models/causal/streaming.py) runs one chunk at a time on a
 `KVCache`.
@@ -39,7 +43,7 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 from distill.models.causal.kv_cache import KVCache
 from distill.models.causal.layout import CausalLayout, check_chunk_frames
-from distill.ops.errors import DistillError, Stage
+from distill.models.context_parallel import heads_to_ranks, tokens_to_ranks, ulysses_group
 
 # WanTransformer3DModel builds its rotary embedding with this base (diffusers does not store it).
 ROPE_THETA = 10000.0
@@ -151,13 +155,6 @@ class ChunkCausalProcessor:
     ) -> torch.Tensor:
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError("ChunkCausalProcessor is a self-attention processor (attn1), without a mask")
-        if self._parallel_config is not None:
-            raise DistillError(
-                "a causal student does not run under sequence parallel",
-                "its chunk-by-chunk attention needs every token of the clip on one rank",
-                fixes=["leave --sequence_parallel at 1 for a causal student"],
-                stage=Stage.CONFIG,
-            )
         state, run = self.state, self.state.current
         if state.grid is None:
             raise RuntimeError("the causal rope did not run before the self-attention")
@@ -172,6 +169,12 @@ class ChunkCausalProcessor:
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         if rotary_emb is not None:
             query, key = _rotate(query, *rotary_emb), _rotate(key, *rotary_emb)
+        # Split by sequence parallel (each rank holds tokens / N of the pass): swap to every token of
+        # heads / N, attend chunk by chunk as one process would, swap back. The cache holds the swapped
+        # keys and values (every token, this rank's heads), as chunk by chunk needs them.
+        group = ulysses_group(self._parallel_config)
+        if group is not None:
+            query, key, value = (heads_to_ranks(t, group) for t in (query, key, value))
 
         held = run.cache.read(self.layer) if run.cache is not None else None
         first = run.start_frame
@@ -200,7 +203,10 @@ class ChunkCausalProcessor:
             )
         if run.commit and run.cache is not None:
             run.cache.stage(self.layer, key, value)
-        hidden_states = torch.cat(out, dim=1).flatten(2, 3).type_as(query)
+        hidden_states = torch.cat(out, dim=1)
+        if group is not None:
+            hidden_states = tokens_to_ranks(hidden_states, group)
+        hidden_states = hidden_states.flatten(2, 3).type_as(query)
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
 
@@ -210,6 +216,9 @@ def make_causal(model: torch.nn.Module, chunk_frames: int) -> torch.nn.Module:
     chunks of `chunk_frames` latent frames, in place; returns it. Weights are untouched. An attention
     backend set on its processors before is kept. Calling it again changes the chunk size."""
     layout = CausalLayout(check_chunk_frames(chunk_frames))
+    if getattr(model, "_parallel_config", None) is not None:
+        # Sequence parallel hooks the rope by its module, which make_causal replaces.
+        raise ValueError("make_causal goes before sequence parallel splits the model, not after")
     existing = _state_of(model)
     if existing is not None:
         existing.layout = layout
