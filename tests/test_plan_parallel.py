@@ -102,3 +102,17 @@ def test_a_run_that_fits_gets_no_degree_and_one_that_no_degree_fits_is_told_so()
         ]
     )
     assert usable_degrees(odd, A14B, A14B_EXPERT, A14B_EXPERT, 8, 8, "gpu") == [2, 4]
+
+
+def test_a_causal_run_is_offered_only_the_degrees_that_split_one_chunk():
+    """Self-Forcing streams a chunk a forward. At 464x848 a latent frame is 29 x 53 = 1,537 tokens, so a
+    5-frame clip (2 latent frames) splits 2 ways as a chunk of 2 frames, and as chunks of 1 not at all."""
+    student = load_student_config(REPO / "config" / "student_config.json", A14B_EXPERT)
+    recipe = REPO / "config" / "recipes" / "a14b-1.3b-causal-self-forcing-8x80gb.yaml"
+
+    def causal(chunk: int):
+        sizes = ("--height", "464", "--width", "848", "--num_frames", "5")
+        return parse_config(["--config", str(recipe), *sizes, "--student_chunk_frames", str(chunk)])
+
+    assert usable_degrees(causal(2), A14B, student, student, 8, 8, "shard") == [2]
+    assert usable_degrees(causal(1), A14B, student, student, 8, 8, "shard") == []

@@ -2,8 +2,9 @@
 degree that would make it fit (or a line saying none does).
 
 A degree is a candidate when the trainer would accept it (distill.train.sequence_parallel): it divides
-the ranks per node and the world size, every split model's attention heads and a sample's tokens. The search re-plans the run at each candidate, smallest
-first, with the same placement, batch and accumulation, and names the first whose memory fits.
+the ranks per node and the world size, every split model's attention heads and a sample's tokens (a
+causal student's: one chunk's). The search re-plans the run at each candidate, smallest first, with
+the same placement, batch and accumulation, and names the first whose memory fits.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from distill.train.plan import (
     estimate,
     memory_plan,
     teacher_bytes,
-    tokens_of,
 )
+from distill.train.sequence_parallel import split_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ class PlanInputs:
 
     def usable_degrees(self) -> list[int]:
         """The degrees above 1 the trainer accepts for this run, smallest first."""
-        tokens = tokens_of(self.cfg, self.info)
+        tokens, _ = split_tokens(self.cfg, self.info)
         heads = [
             int(config["num_attention_heads"])
             for config in (self.info.expert_config, self.student_config, self.critic_config)

@@ -23,22 +23,15 @@ from distill.ops.errors import DistillError, Stage
 from distill.ops.mesh import context_mesh
 
 
-def latent_tokens(cfg: TrainConfig, info: TeacherInfo) -> int:
-    """Tokens of one sample's latent sequence: latent frames x patched height x patched width."""
-    _, frames, height, width = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
-    patch = info.expert_config.get("patch_size", (1, 2, 2))
-    return (frames // patch[0]) * (height // patch[1]) * (width // patch[2])
-
-
 def split_tokens(cfg: TrainConfig, info: TeacherInfo) -> tuple[int, str]:
     """The fewest tokens a forward of this run splits over a context group, and what they are in
     words. A causal student's rollout runs one chunk at a time (the clip is whole chunks), the other
     forwards a whole sample."""
-    tokens = latent_tokens(cfg, info)
+    tokens = info.tokens(cfg.height, cfg.width, cfg.num_frames)
     chunk = cfg.student_chunk_frames
     if not chunk:
         return tokens, "a sample"
-    _, frames, _, _ = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)
+    frames = info.latent_shape(cfg.height, cfg.width, cfg.num_frames)[1] // info.patch_size[0]
     return tokens // frames * chunk, f"a chunk of --student_chunk_frames {chunk} latent frame(s)"
 
 
