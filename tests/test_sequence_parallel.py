@@ -21,7 +21,7 @@ from distill.models.lockstep import placeholder_box, placeholder_inputs
 from distill.models.student import build_student
 from distill.models.student_config import load_student_config
 from distill.models.teacher import inspect_teacher
-from distill.models.teacher_kind import TI2V_5B
+from distill.models.teacher_kind import I2V_A14B, TI2V_5B
 from distill.models.tiny import write_tiny_teacher
 from distill.ops.errors import DistillError, format_banner
 from distill.train.cost import RunCounts, run_cost
@@ -51,6 +51,8 @@ METHODS = {
     # streams 17 frames chunk by chunk on its KV cache (2 a rank), checkpointed, and the teacher and
     # the critic judge a window of the clip's length (6).
     "ode_init": ({**CAUSAL, "method": "ode_init"}, 3, [6]),
+    # The same on the tiny image-to-video teacher (the image enters the first chunk's condition).
+    "i2v_self_forcing": ({**CAUSAL, "method": "self_forcing", "critic_updates": 2}, 4, [2, 6]),
     "self_forcing": (
         {
             **CAUSAL,
@@ -80,12 +82,30 @@ def ti2v_world(root: Path) -> dict[str, Path]:
     }
 
 
+def i2v_world(root: Path) -> dict[str, Path]:
+    """The tiny I2V-A14B teacher, a student config for its 36 input channels, and prompt+image pairs."""
+    student = json.loads((REPO / "config" / "student_tiny.json").read_text())
+    (root / "student.json").parent.mkdir(parents=True, exist_ok=True)
+    (root / "student.json").write_text(json.dumps({**student, "in_channels": 36}))
+    return {
+        "teacher": write_tiny_teacher(root / "teacher", seed=0, kind=I2V_A14B),
+        "student_config": root / "student.json",
+        "data_path": write_pairs(root / "data", size=32),
+    }
+
+
+# The runs on another teacher than the tiny T2V one: method -> that world's name in `teachers`.
+WORLDS = {"ti2v": "ti2v", "i2v_self_forcing": "i2v"}
+
+
 def args(teachers: dict[str, Path], out: Path, cache: Path, method: str, **more: object) -> list[str]:
-    """The command line of `method`'s run; `teachers`: the tiny T2V teacher ("t2v") and the TI2V world."""
-    if method == "ti2v":
-        world = {k: teachers[f"ti2v_{k}"] for k in ("student_config", "data_path")}
+    """The command line of `method`'s run; `teachers`: the tiny T2V teacher ("t2v"), the TI2V and the
+    I2V worlds."""
+    if method in WORLDS:
+        name = WORLDS[method]
+        world = {k: teachers[f"{name}_{k}"] for k in ("student_config", "data_path")}
         return train_args(
-            teachers["ti2v_teacher"], out, cache / "ti2v", **COMMON, **METHODS[method][0], **world, **more
+            teachers[f"{name}_teacher"], out, cache / name, **COMMON, **METHODS[method][0], **world, **more
         )
     argv = train_args(teachers["t2v"], out, cache, **COMMON, **METHODS[method][0], **more)
     if method == "lora":  # the student is the teacher's experts: no student config
@@ -218,7 +238,11 @@ def two_ranks(tiny_teacher, tmp_path_factory) -> tuple[Path, dict[str, Path], su
     the velocity run stopped and resumed, and the data-parallel references. (root, teachers, launch)."""
     root = tmp_path_factory.mktemp("sequence-parallel")
     cache = root / "cache"
-    teachers = {"t2v": tiny_teacher, **{f"ti2v_{k}": v for k, v in ti2v_world(root / "ti2v").items()}}
+    teachers = {
+        "t2v": tiny_teacher,
+        **{f"ti2v_{k}": v for k, v in ti2v_world(root / "ti2v").items()},
+        **{f"i2v_{k}": v for k, v in i2v_world(root / "i2v").items()},
+    }
     (root / "sample_prompts.txt").write_text("a red cube\na blue sphere on grass\na green cone at night\n")
     monitored = dict(MONITORED, sample_prompts=root / "sample_prompts.txt")
     runs: list = [
