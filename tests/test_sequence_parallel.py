@@ -435,6 +435,7 @@ def test_degrees_a_run_cannot_split_by_are_refused_naming_those_it_can(tiny_teac
     causal = dict(CAUSAL, method="ode_init")
     text = refusal(config(9, **causal), info, {"student": 9}, world=9, per_node=9)
     assert "does not divide the 6 tokens of a chunk of --student_chunk_frames 1 latent frame(s)" in text
+    assert "or a --height, --width or --student_chunk_frames whose token count N divides" in text
     whole_clip = config(9, **dict(causal, student_chunk_frames=3))
     check_sequence_parallel(whole_clip, info, {"student": 9}, 9, 9, launched=True)
     # Samples and evaluations during training run with it (each context group renders together).

@@ -57,6 +57,12 @@ def check_sequence_parallel(
     if degree == 1:
         return
     tokens, what = split_tokens(cfg, info)
+    # A chunk's tokens change with the frame's size and the chunk's, not with the clip's length.
+    sizes = (
+        "--height, --width or --student_chunk_frames"
+        if cfg.student_chunk_frames
+        else "--height, --width or --num_frames"
+    )
 
     def fits(d: int) -> bool:
         return not (world_size % d or ranks_per_node % d or tokens % d or any(h % d for h in heads.values()))
@@ -104,7 +110,7 @@ def check_sequence_parallel(
             f"--sequence_parallel {degree} does not divide the {tokens} tokens of {what} "
             f"(--height {cfg.height} --width {cfg.width} --num_frames {cfg.num_frames})",
             "Each rank of a context group holds tokens / N of them; uneven splits are not supported.",
-            [others, "or a --height, --width or --num_frames whose token count N divides"],
+            [others, f"or a {sizes} whose token count N divides"],
         )
 
 
