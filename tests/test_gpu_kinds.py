@@ -2,7 +2,8 @@
 Wan2.2-T2V-A14B, Wan2.2-I2V-A14B (36 input channels) and Wan2.2-TI2V-5B (one transformer, the
 48-channel Wan2.2 VAE, a timestep per token) in image mode compute on the GPU what they compute on
 the CPU (the noise is drawn on the CPU whatever the device), train in bf16 with gradient
-checkpointing and the teacher streamed from CPU memory, resume, and run dmd with a LoRA.
+checkpointing and the teacher streamed from CPU memory, resume, run dmd with a LoRA, and train a
+causal student by self_forcing.
 
 python -m pytest -m gpu tests/test_gpu_kinds.py
 """
@@ -136,3 +137,26 @@ def test_dmd_with_a_lora_of_the_teachers_transformers_on_cuda_in_bf16(world, tmp
     losses = [row[key] for row in rows for key in ("loss", "critic_loss") if row.get(key) is not None]
     assert losses and all(math.isfinite(value) for value in losses)
     assert any((tmp_path / "out" / "lora").glob("*.safetensors"))
+
+
+def causal_args(world: dict[str, object], out: Path, **overrides: object) -> list[str]:
+    """Self-Forcing from the teacher's high-noise expert made causal (chunks of one latent frame: the
+    5-frame clip streams as 2 chunks on the KV cache), judged by the teacher and a critic."""
+    settings = dict(method="self_forcing", student_chunk_frames=1, student_init="teacher", critic_updates=1)
+    return args_for(world, out, log_every=1, **settings, **overrides)
+
+
+def test_a_causal_student_on_cuda_computes_what_the_cpu_does_and_trains_in_bf16(world, tmp_path):
+    """The causal attention (chunk by chunk on a KV cache, whatever kernel SDPA picks on the GPU): the
+    first self_forcing loss in float32 on CUDA is the CPU's, and a bf16 run with checkpointing trains."""
+    for device in ("cpu", "cuda"):
+        cfg = parse_config(
+            causal_args(world, tmp_path / device, device=device, teacher_dtype="float32", num_steps=1)
+        )
+        assert Distiller(cfg).run().steps == 1
+    assert first_loss(tmp_path / "cuda") == pytest.approx(first_loss(tmp_path / "cpu"), rel=1e-3)
+    bf16 = dict(teacher_dtype="bfloat16", mixed_precision="bf16", gradient_checkpointing=True)
+    result = Distiller(
+        parse_config(causal_args(world, tmp_path / "bf16", device="cuda", num_steps=3, **bf16))
+    ).run()
+    assert result.steps == 3 and math.isfinite(result.last_loss)
