@@ -164,8 +164,14 @@ def _uses(
     def lora(rank: int, alpha: float) -> dict[str, Any]:
         return dict(weights=weights, lora_rank=rank, lora_alpha=alpha, lora_targets=cfg.lora_targets)
 
+    from distill.train.methods import method_class
+
+    # ode_init gives each frame of the student's input its chunk's timestep: one per token.
+    student_tokens = method_class(cfg.method).student_timestep_per_token(cfg)
+
     def trained_use(name: str, config: dict[str, Any], regression: bool = False) -> dict[str, ModelUse]:
         size = batch * (2 if regression else 1)
+        per_token = common["token_timesteps"] or (name == "student" and student_tokens)
         if not cfg.student_lora_rank:
             spec = dict(config=config, weights="float32")
         elif name == "student":
@@ -177,10 +183,11 @@ def _uses(
         else:  # a full float32 copy of the experts
             spec = dict(config=info.expert_config, weights="float32")
         config_of = spec.pop("config")
+        uses = {**common, "token_timesteps": per_token}
         return {
-            "train": ModelUse.of(config_of, batch=size, **common, **trained, **spec),
+            "train": ModelUse.of(config_of, batch=size, **uses, **trained, **spec),
             "no_grad": ModelUse.of(
-                config_of, batch=batch, **common, **{**trained, "grads_held": False}, **spec
+                config_of, batch=batch, **uses, **{**trained, "grads_held": False}, **spec
             ),
         }
 

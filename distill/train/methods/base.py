@@ -176,6 +176,13 @@ class Method:
         (batch["noise"]: the teacher's noise -> x0 pair)."""
         return False
 
+    @staticmethod
+    def student_timestep_per_token(cfg: TrainConfig) -> bool:
+        """Whether the student's forward with gradient reads one timestep per token (frames at their own
+        noise levels), not one per sample: its blocks then hold a per-token modulation, which the
+        --dry_run memory plan measures."""
+        return False
+
     def bind(self, train_models: dict[str, torch.nn.Module]) -> None:
         """Receive the models as the loop runs them (wrapped for data parallelism)."""
         self.train_models = train_models

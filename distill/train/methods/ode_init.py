@@ -63,6 +63,10 @@ class OdeInitMethod(Method):
     def needs_teacher_noise(cfg: TrainConfig) -> bool:
         return True
 
+    @staticmethod
+    def student_timestep_per_token(cfg: TrainConfig) -> bool:
+        return True  # each frame at its chunk's step (a bidirectional student: one chunk, still per frame)
+
     def loss(self, update: str, batch: dict[str, torch.Tensor], rng: BatchRandomness) -> UpdateLoss:
         env, device, kind = self.env, self.env.device, self.env.teacher.kind
         x0 = batch["x0"].to(device, torch.float32, non_blocking=True)
