@@ -202,24 +202,55 @@ MONITORED = dict(save_samples=True, sample_steps=2, sample_interval=3, eval_inte
 GROUPS_SEED = 1
 
 
+def student_file(path: Path, **changes: object) -> Path:
+    """config/student_tiny.json with `changes`, written to `path`."""
+    path.write_text(json.dumps(json.loads((REPO / "config" / "student_tiny.json").read_text()) | changes))
+    return path
+
+
 def measured_args(teacher: Path, root: Path, **more: object) -> list[str]:
     """The run whose peak memory a rank measures (test_the_plan_is_within_15_percent_of_a_ranks_peak):
     tests/test_memory_plan.py's 384x384 run (576 tokens, a student of 4 heads x 32 whose activations
     fill the memory, bf16 autocast, gradient checkpointing), on two ranks."""
-    student = json.loads((REPO / "config" / "student_tiny.json").read_text())
-    student.update(num_attention_heads=4, attention_head_dim=32, ffn_dim=256)
-    (root / "wide_student.json").write_text(json.dumps(student))
     return train_args(
         teacher,
         root / "measured",
         root / "measured-cache",
-        student_config=root / "wide_student.json",
+        student_config=student_file(
+            root / "wide_student.json", num_attention_heads=4, attention_head_dim=32, ffn_dim=256
+        ),
         height=384,
         width=384,
         max_prompts=2,
         teacher_sample_steps=1,
         batch_size=1,
         num_steps=2,
+        gradient_checkpointing=True,
+        mixed_precision="bf16",
+        **more,
+    )
+
+
+# The causal runs whose peak a rank measures too: the teacher's expert made causal (the shape of the
+# tiny teacher's experts, 10 heads of 12), 9-frame clips at 256x256 (3 latent frames of 256 tokens).
+CAUSAL_MEASURED = ("ode_init", "self_forcing")
+
+
+def causal_measured_args(teacher: Path, root: Path, method: str, **more: object) -> list[str]:
+    """tests/test_memory_plan.py's causal runs (test_the_plan_of_a_causal_students_step_is_within_15_percent)."""
+    return train_args(
+        teacher,
+        root / f"measured-{method}",
+        root / "measured-cache",
+        method=method,
+        student_config=student_file(root / "teacher_shape.json", num_attention_heads=10, ffn_dim=240),
+        **{**CAUSAL, "max_prompts": 2},
+        height=256,
+        width=256,
+        teacher_sample_steps=1,
+        batch_size=1,
+        num_steps=3,
+        **({"critic_updates": 2} if method == "self_forcing" else {}),
         gradient_checkpointing=True,
         mixed_precision="bf16",
         **more,
@@ -263,6 +294,10 @@ def two_ranks(tiny_teacher, tmp_path_factory) -> tuple[Path, dict[str, Path], su
         for m in DATA_PARALLEL
     ]
     runs.append({"argv": measured_args(tiny_teacher, root, sequence_parallel=2), "measure": True})
+    runs += [
+        {"argv": causal_measured_args(tiny_teacher, root, m, sequence_parallel=2), "measure": True}
+        for m in CAUSAL_MEASURED
+    ]
     return root, teachers, launch_ranks(runs, root)
 
 
@@ -489,13 +524,30 @@ def test_the_plan_is_within_15_percent_of_a_ranks_peak(two_ranks, tiny_teacher):
     less the weights, AdamW and buckets the plan counts from the configs), which the total's held
     bytes would otherwise hide: planned as half of a whole sample's, they were 25% short."""
     root, _, proc = two_ranks
-    peaks = {int(p) for p in re.findall(rf"measured {root / 'measured'}: peak (\d+) bytes", proc.stdout)}
-    assert len(peaks) == 1, proc.stdout  # both ranks hold the same: one number
+    assert_plan_within_15_percent(proc, root, measured_args(tiny_teacher, root, sequence_parallel=2))
+
+
+@pytest.mark.parametrize("method", CAUSAL_MEASURED)
+def test_the_plan_of_a_causal_run_is_within_15_percent_of_a_ranks_peak(two_ranks, tiny_teacher, method):
+    """The same for a causal student: ode_init's forward with a timestep per token, self_forcing's
+    rollout of one chunk a forward (each split over the group) and the scores over its exit steps."""
+    root, _, proc = two_ranks
+    argv = causal_measured_args(tiny_teacher, root, method, sequence_parallel=2)
+    assert_plan_within_15_percent(proc, root, argv)
+
+
+def assert_plan_within_15_percent(proc: subprocess.CompletedProcess, root: Path, argv: list[str]) -> None:
+    """The plan of `argv`'s run at --sequence_parallel 2, total and activations, against the one peak
+    both ranks of the launch measured for it."""
+    cfg = parse_config(argv)
+    found = re.findall(rf"measured {re.escape(str(cfg.output_dir))}: peak (\d+) bytes", proc.stdout)
+    peaks = {int(p) for p in found}
+    assert len(found) == 2 and len(peaks) == 1, proc.stdout  # both ranks hold the same: one number
     (peak,) = peaks
-    cfg = parse_config(measured_args(tiny_teacher, root, sequence_parallel=2))
-    info = inspect_teacher(str(tiny_teacher), None, convert_dir=root / "convert", configs_only=True)
-    student = load_student_config(root / "wide_student.json", info.expert_config)
-    plan = estimate(cfg, info, student, torch.device("cpu"), "gpu", 2)
+    info = inspect_teacher(cfg.teacher_path, None, convert_dir=root / "convert", configs_only=True)
+    student = load_student_config(cfg.student_config, info.expert_config)
+    critic = student if cfg.trains_critic else None
+    plan = estimate(cfg, info, student, torch.device("cpu"), "gpu", 2, critic)
     assert plan.total == pytest.approx(peak, rel=0.15), (
         f"plan {plan.total / 2**20:.2f} MiB, measured {peak / 2**20:.2f}"
     )
