@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import sys
@@ -75,6 +76,17 @@ A14B_EXPERT = dict(
     qk_norm="rms_norm_across_heads",
     rope_max_seq_len=1024,
 )
+
+# The tiny teacher's expert shape (10 heads of 12): a student that starts from the teacher's
+# high-noise expert (dmd, a causal student) has it.
+TEACHER_SHAPE = dict(num_attention_heads=10, ffn_dim=240)
+
+
+def tiny_student_file(path: Path, **changes: object) -> Path:
+    """config/student_tiny.json with `changes`, written to `path`; returns `path`."""
+    path.write_text(json.dumps(json.loads((REPO / "config" / "student_tiny.json").read_text()) | changes))
+    return path
+
 
 # A small WanTransformer3DModel config (2 heads x 16, 2 layers) for plans and FLOP counts that run the
 # real model: override what a test varies.

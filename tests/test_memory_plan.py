@@ -6,11 +6,10 @@ steps (tiny teacher, real student, real loop) at three token counts."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SMALL_EXPERT, train_args
+from conftest import REPO, SMALL_EXPERT, TEACHER_SHAPE, tiny_student_file, train_args
 
 from distill.config.cli import parse_config
 from distill.ops.live_memory import LiveTensorMemory
@@ -121,23 +120,13 @@ def measured_peak(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> tuple[flo
     return plan.total, memory.peak
 
 
-# A student of the tiny teacher's expert shape (head width 12): a dmd or causal run starts from it.
-TEACHER_SHAPE = dict(num_attention_heads=10, ffn_dim=240)
-
-
-def student_file(folder: Path, **changes: object) -> Path:
-    """config/student_tiny.json with `changes`, written to folder/student.json; returns its path."""
-    student = json.loads((REPO / "config" / "student_tiny.json").read_text()) | changes
-    path = folder / "student.json"
-    path.write_text(json.dumps(student))
-    return path
-
-
 @pytest.mark.parametrize("size", [256, 384, 512])
 def test_the_plan_is_within_15_percent_of_real_cpu_training_steps(tiny_teacher, tmp_path, monkeypatch, size):
     """A student wide enough that its activations, not the latents, fill the memory at these sizes;
     bf16 autocast and gradient checkpointing as the recipes run (256 to 1,024 tokens)."""
-    config = student_file(tmp_path, num_attention_heads=4, attention_head_dim=32, ffn_dim=256)
+    config = tiny_student_file(
+        tmp_path / "student.json", num_attention_heads=4, attention_head_dim=32, ffn_dim=256
+    )
     args = train_args(
         tiny_teacher,
         tmp_path / "out",
@@ -161,7 +150,7 @@ def test_the_plan_is_within_15_percent_of_real_cpu_training_steps(tiny_teacher, 
 def test_the_plan_of_a_dmd_run_with_accumulation_is_within_15_percent(tiny_teacher, tmp_path, monkeypatch):
     """dmd: rollout, scores over the student's saved activations, the critic's update; gradients held
     through accumulation."""
-    config = student_file(tmp_path, **TEACHER_SHAPE)
+    config = tiny_student_file(tmp_path / "student.json", **TEACHER_SHAPE)
     args = train_args(
         tiny_teacher,
         tmp_path / "out",
@@ -192,7 +181,7 @@ def test_the_plan_of_a_causal_students_step_is_within_15_percent(tiny_teacher, t
     modulation in every block (a plan of one timestep per sample measured 0.72 of the peak);
     self_forcing: the rollout's chunks one after another, then the scores over their saved exit
     steps, the critic's update."""
-    config = student_file(tmp_path, **TEACHER_SHAPE)
+    config = tiny_student_file(tmp_path / "student.json", **TEACHER_SHAPE)
     args = train_args(
         tiny_teacher,
         tmp_path / "out",

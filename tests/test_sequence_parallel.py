@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, WARM_TORCHRUN, repo_pythonpath, train_args
+from conftest import REPO, TEACHER_SHAPE, WARM_TORCHRUN, repo_pythonpath, tiny_student_file, train_args
 from safetensors.torch import load_file
 from test_i2v_training import write_pairs
 
@@ -202,12 +202,6 @@ MONITORED = dict(save_samples=True, sample_steps=2, sample_interval=3, eval_inte
 GROUPS_SEED = 1
 
 
-def student_file(path: Path, **changes: object) -> Path:
-    """config/student_tiny.json with `changes`, written to `path`."""
-    path.write_text(json.dumps(json.loads((REPO / "config" / "student_tiny.json").read_text()) | changes))
-    return path
-
-
 def measured_args(teacher: Path, root: Path, **more: object) -> list[str]:
     """The run whose peak memory a rank measures (test_the_plan_is_within_15_percent_of_a_ranks_peak):
     tests/test_memory_plan.py's 384x384 run (576 tokens, a student of 4 heads x 32 whose activations
@@ -216,7 +210,7 @@ def measured_args(teacher: Path, root: Path, **more: object) -> list[str]:
         teacher,
         root / "measured",
         root / "measured-cache",
-        student_config=student_file(
+        student_config=tiny_student_file(
             root / "wide_student.json", num_attention_heads=4, attention_head_dim=32, ffn_dim=256
         ),
         height=384,
@@ -243,7 +237,7 @@ def causal_measured_args(teacher: Path, root: Path, method: str, **more: object)
         root / f"measured-{method}",
         root / "measured-cache",
         method=method,
-        student_config=student_file(root / "teacher_shape.json", num_attention_heads=10, ffn_dim=240),
+        student_config=tiny_student_file(root / "teacher_shape.json", **TEACHER_SHAPE),
         **{**CAUSAL, "max_prompts": 2},
         height=256,
         width=256,
