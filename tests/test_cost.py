@@ -229,27 +229,33 @@ def test_the_stall_timeout_is_put_against_the_longest_stretch_in_words(stretch, 
     assert "x that" not in verdict or stretch >= 1  # no ratio over a stretch that rounds to nothing
 
 
+def self_forcing_forwards(teacher, tmp_path, **extra):
+    """The planned forwards of each update of a self_forcing run in chunks of 1 of a 9-frame clip, at
+    one student step (the rollout stops at step 0: no random depth)."""
+    from distill.train.cost import update_forwards
+
+    args = train_args(
+        teacher,
+        tmp_path / "out",
+        tmp_path / "cache",
+        method="self_forcing",
+        student_chunk_frames=1,
+        num_frames=9,
+        student_steps=1,
+        **extra,
+    )
+    cfg = parse_config(args)
+    return update_forwards(cfg, Distiller(cfg).info)
+
+
 def test_a_longer_self_forcing_rollout_is_counted_in_the_plan(tiny_teacher, tmp_path):
     """--rollout_frames 33 of a 9-frame clip in chunks of 1: the rollout ends with a window drawn among
     7 starts, so it is 2 clips long on average: twice the student's forwards without gradient of a
     critic update, the exits before the window added to the generator's; the forwards with gradient
     (the judged window) and everything else unchanged."""
-    from distill.train.cost import update_forwards
 
     def plan(**extra):
-        args = train_args(
-            tiny_teacher,
-            tmp_path / "out",
-            tmp_path / "cache",
-            method="self_forcing",
-            student_chunk_frames=1,
-            num_frames=9,
-            student_steps=1,  # the rollout stops at step 0: no random depth
-            student_init="teacher",
-            **extra,
-        )
-        cfg = parse_config(args)
-        return update_forwards(cfg, Distiller(cfg).info)
+        return self_forcing_forwards(tiny_teacher, tmp_path, student_init="teacher", **extra)
 
     clip, longer = plan(), plan(rollout_frames=33)
     assert longer["critic"].no_grad["student"] == 2 * clip["critic"].no_grad["student"] == 2 * 2.0
@@ -259,3 +265,13 @@ def test_a_longer_self_forcing_rollout_is_counted_in_the_plan(tiny_teacher, tmp_
         assert {k: v for k, v in longer[update].no_grad.items() if k != "student"} == {
             k: v for k, v in clip[update].no_grad.items() if k != "student"
         }
+
+
+def test_a_causal_lora_students_cache_passes_run_both_experts_in_the_plan(tiny_teacher, tmp_path):
+    """A LoRA student's finished chunks pass into the KV cache through both experts (each keeps its own
+    keys): one more clip of forwards without gradient than a separate causal student's, nothing else."""
+    separate = self_forcing_forwards(tiny_teacher, tmp_path, student_init="teacher")
+    lora = self_forcing_forwards(tiny_teacher, tmp_path, student_lora_rank=4, student_config=None)
+    assert separate["critic"].no_grad["student"] == 2.0 and lora["critic"].no_grad["student"] == 3.0
+    assert lora["student"].no_grad["student"] == separate["student"].no_grad["student"] + 1.0 == 2.0
+    assert lora["student"].grad == separate["student"].grad

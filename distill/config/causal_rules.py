@@ -2,11 +2,9 @@
 the fix before anything loads.
 
 A causal student attends block-causally over chunks of latent frames (distill/models/causal). What
-cannot work with it:
-- a LoRA student: its weights are the teacher's own experts, which also answer as the teacher (its
-  clean latents, its score); they cannot attend causally for the student and over the whole clip
-  for the teacher at once;
-- a clip that is not whole chunks of latent frames.
+cannot work with it: a clip that is not whole chunks of latent frames. (A causal LoRA student of a
+teacher with two experts cannot be trained by ode_init: distill/train/run_checks.py, which knows the
+teacher.)
 And --method self_forcing needs a causal student, whose own rollout is its generator's input (so
 neither dmd's `data` inputs nor its regression term on a first step from the teacher's noise).
 """
@@ -68,14 +66,6 @@ def check_causal_settings(cfg: Any) -> None:
         check_rollout_frames(cfg.rollout_frames, cfg.num_frames, chunk)
     if not chunk:
         return
-    if cfg.student_lora_rank:
-        raise _refuse(
-            "--student_chunk_frames cannot be combined with --student_lora_rank",
-            "A LoRA student is the teacher's own experts, which also give the teacher's clean latents and "
-            "score over the whole clip; they cannot attend causally for the student at the same time.",
-            "train a separate causal student: drop --student_lora_rank and pass --student_config and "
-            "--student_init (e.g. a bidirectional dmd student)",
-        )
     frames = latent_frames(cfg.num_frames)
     if frames % chunk:
         counts = ", ".join(str(n) for n in frame_counts(chunk, cfg.num_frames))

@@ -18,6 +18,11 @@ Which adapter an expert runs is set per call (`AdapterSwitch`). Two things make 
   switches the expert back to the adapter that produced it before backward enters its blocks.
 
 LoRA B starts at zero, so a fresh student predicts exactly what the teacher's experts predict.
+
+A causal LoRA student (distill/models/causal/experts.py): each expert attends block-causally while it
+runs the student's adapter, and over the whole clip for the teacher and the critic (distill/models/causal).
+A chunk's few steps cross the boundary, so each expert keeps its own keys and values of the finished
+chunks: the pass that adds a clean chunk to the KV cache runs every expert (`each_expert`).
 """
 
 from __future__ import annotations
@@ -163,10 +168,19 @@ def route(
 
     No boundary (one transformer): the whole batch goes to "high" as it is, whatever the timestep's
     shape (TI2V-5B's is one per token, (B, tokens)); every rank runs it on every call, so lockstep
-    needs no placeholder."""
+    needs no placeholder. With a boundary, a timestep per token (B, tokens) routes each sample whole,
+    and a sample whose tokens lie on both sides of the boundary is refused: one forward of one
+    expert cannot hold it."""
     if boundary_ratio is None:
         return call("high", hidden_states, timestep, encoder_hidden_states)
     is_high = high_noise_mask(timestep.detach().cpu(), boundary_ratio)
+    if is_high.dim() > 1:
+        if not torch.equal(is_high.all(dim=1), is_high.any(dim=1)):
+            raise ValueError(
+                "a sample's tokens have timesteps on both sides of the experts' boundary "
+                f"({boundary_ratio * 1000:g}): no one expert can run it"
+            )
+        is_high = is_high.all(dim=1)
     parts, rows_of_parts, placeholders = [], [], []
     for which, mask in (("high", is_high), ("low", ~is_high)):
         rows = mask.nonzero().flatten()
@@ -251,8 +265,32 @@ class RoutedModel(nn.Module):
         return self.expert("high").device
 
     def enable_gradient_checkpointing(self) -> None:
+        """diffusers' own on each expert (distill.models.causal.attention.enable_checkpointing gives
+        a causal LoRA student's experts theirs)."""
         for which in self.experts:
             self.expert(which).enable_gradient_checkpointing()
+
+    def routed_experts(self) -> tuple[nn.Module, ...]:
+        """The expert modules this model routes to, in `experts` order (distill/models/causal finds a
+        causal LoRA student's experts through it: they are not submodules of an AdapterModel)."""
+        return tuple(self.expert(which) for which in self.experts)
+
+    def each_expert(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        return_dict: bool = False,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor]:
+        """Every expert on the whole batch, whatever the timestep (the last one's output): the pass
+        that adds a clean chunk to a causal student's KV cache, whose keys each expert keeps for its
+        own later steps. In the same order on every rank, as sharded experts need."""
+        out = None
+        for which in self.experts:
+            out = self.run_expert(which, hidden_states, timestep, encoder_hidden_states, **kwargs)
+        assert out is not None
+        return (out,)
 
     def sampling_experts(self) -> tuple[nn.Module, nn.Module | None]:
         """(high, low) as plain modules running this model's weights, for WanPipeline (they keep

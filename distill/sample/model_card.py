@@ -358,8 +358,17 @@ def model_card_text(
             f"It is causal: its attention is block-causal over chunks of {settings.chunk_frames} latent frame(s)",
             "(`causal_config.json`), so it streams, each chunk's frames out while the next is made, and",
             "clips may run longer than trained: `python -m distill.generate --student FOLDER --stream",
-            '--num_frames 81 --prompt "..."` (docs/streaming.md of the wan-distill project). Stock diffusers',
-            "loads the weights as a bidirectional model, which is not what it was trained to be.",
+            '--num_frames 81 --prompt "..."` (docs/streaming.md of the wan-distill project).',
+            *(
+                [
+                    "Stock diffusers and ComfyUI apply the adapters to the teacher's experts attending over the",
+                    "whole clip at once, which is not what they were trained for.",
+                ]
+                if kind == "lora"
+                else [
+                    "Stock diffusers loads the weights as a bidirectional model, which is not what it was trained to be."
+                ]
+            ),
         ]
     body = [
         f"# Wan 2.2 {short_name(settings)} distilled student ({what})",

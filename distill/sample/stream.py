@@ -12,8 +12,11 @@ the student was trained on: `--stream_window` past chunks (default: the trained 
 its KV cache, older ones are dropped. An image-to-video student streams too: its image enters the
 first chunk, as the whole clip's condition does for the bidirectional student.
 
-Refused, with the fix: a student that is not causal (or --teacher_only, or a LoRA run's folder), a
-frame count that is not whole chunks (the counts that are are named), guidance above 1 (the causal
+A causal LoRA student's folder (lora/: causal_config.json beside the adapters) streams too: the
+teacher's experts with its adapters, each expert keeping its own KV cache.
+
+Refused, with the fix: a student that is not causal (or --teacher_only, or a bidirectional LoRA run's
+folder), a frame count that is not whole chunks (the counts that are are named), guidance above 1 (the causal
 sampler runs one forward per step, with one cache).
 """
 
@@ -83,15 +86,10 @@ def whole_chunk_counts(layout: CausalLayout, temporal: int, near: int, count: in
 
 def check_stream(args: argparse.Namespace, info: TeacherInfo) -> CausalLayout:
     """The causal layout of --student for `--stream`, or a refusal naming the flag and the fix."""
-    if args.teacher_only or not args.student or is_lora_folder(args.student):
-        what = (
-            "--teacher_only renders the teacher"
-            if args.teacher_only
-            else f"{args.student} is a LoRA run's folder"
-        )
+    if args.teacher_only or not args.student:
         raise DistillError(
             "--stream needs a causal student",
-            f"{what}, which attends over the whole clip at once: nothing to stream",
+            "--teacher_only renders the teacher, which attends over the whole clip at once: nothing to stream",
             fixes=[
                 "pass --student with a causal student's folder (it holds causal_config.json)",
                 "or drop --stream",
@@ -99,6 +97,19 @@ def check_stream(args: argparse.Namespace, info: TeacherInfo) -> CausalLayout:
             stage=Stage.CONFIG,
         )
     layout = read_causal_config(args.student)
+    if layout is None and is_lora_folder(args.student):
+        raise DistillError(
+            f"--stream needs a causal student: {args.student} holds the adapters of a bidirectional "
+            f"LoRA student (no {CAUSAL_FILE})",
+            "its experts attend over the whole clip at once, so no frame is final before the last step "
+            "of the whole clip",
+            fixes=[
+                "train a causal LoRA student (--student_lora_rank with --student_chunk_frames 3 and "
+                "--method self_forcing: docs/streaming.md); its lora/ folder streams",
+                "or drop --stream to sample it whole",
+            ],
+            stage=Stage.CONFIG,
+        )
     if layout is None:
         raise DistillError(
             f"--stream needs a causal student: {args.student} is bidirectional (no {CAUSAL_FILE})",
@@ -311,9 +322,12 @@ def build_streamer(
     encoder loaded for that and freed before any clip streams)."""
     from distill.models.few_step import few_step_scheduler, load_few_step_scheduler
     from distill.models.pipelines import encode_prompts, load_vae, scheduler_from_config
-    from distill.sample.student_folder import load_student
+    from distill.sample.student_folder import load_lora_student, load_student
 
-    student = load_student(args.student, info, device, dtype)
+    if is_lora_folder(args.student):  # the teacher's experts, causal while the student's adapters run
+        student, _, _ = load_lora_student(args.student, info, device, dtype)
+    else:
+        student = load_student(args.student, info, device, dtype)
     if run is not None and run.scheduler:
         scheduler = scheduler_from_config(run.scheduler)
     else:

@@ -114,10 +114,14 @@ def load_lora_student(
 ) -> tuple[Any, Any, Any]:
     """(student, teacher high, teacher low or None) for a LoRA run's folder: the teacher's experts loaded once,
     the folder's adapters on them; the teacher's views run them with the adapters off. `adapters`:
-    the folder as `lora_student` checked it (checked here when not given)."""
+    the folder as `lora_student` checked it (checked here when not given). A causal LoRA student
+    (causal_config.json in the folder) is causal again while its adapters run."""
+    from distill.models.causal.experts import make_student_causal
+    from distill.models.causal.layout import read_causal_config
     from distill.models.lora import STUDENT_ADAPTER, LoraExperts
     from distill.models.teacher import load_experts
 
+    layout = read_causal_config(folder)  # before any weight loads: a damaged record fails fast
     found = adapters or lora_for_teacher(folder, "--student", info)
     states = found.states()
     # both experts, or the one transformer of TI2V-5B (low None)
@@ -132,6 +136,8 @@ def load_lora_student(
             fixes=["pass the teacher the adapters were trained on (--teacher_path)"],
             stage=Stage.CONFIG,
         ) from None
+    if layout is not None:
+        make_student_causal(experts, layout.chunk_frames)
     student = experts.model(STUDENT_ADAPTER, info.boundary_ratio).requires_grad_(False)
     teacher_high, teacher_low = experts.teacher_views()
     return student, teacher_high, teacher_low

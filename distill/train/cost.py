@@ -170,8 +170,11 @@ def update_forwards(cfg: TrainConfig, info: TeacherInfo) -> dict[str, Forwards]:
         velocity.add("student", 1.0, with_grad=True)
         return {"student": velocity}
     depth = rollout_depth(cfg, info.boundary_ratio)
-    # self_forcing: each finished chunk also passes once at t=0 into the KV cache (about one more clip).
-    context = 1.0 if cfg.method == "self_forcing" else 0.0
+    # self_forcing: each finished chunk also passes once at t=0 into the KV cache (about one more clip),
+    # through every expert of a LoRA student (each keeps its own cache).
+    context = 0.0
+    if cfg.method == "self_forcing":
+        context = float(info.kind.experts) if cfg.student_lora_rank else 1.0
     longer = rollout_length(cfg)
     generator = Forwards()
     # A longer rollout: every step of its chunks, and the exits of those before the judged window.

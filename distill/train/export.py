@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distill.models.causal.attention import causal_layout
+from distill.models.causal.layout import write_causal_config
 from distill.models.lora import AdapterModel
 from distill.models.lora_files import merged_state, write_lora_folder, write_merged_experts
 from distill.models.original.export import export_original
@@ -178,6 +180,9 @@ def write_adapters(loop: TrainingLoop, student: AdapterModel) -> tuple[Path, Pat
             out = write_lora_folder(states, shape, folder, kind=loop.distiller.info.kind)
             if scheduler is not None:
                 scheduler.save_pretrained(out)
+            layout = causal_layout(student)
+            if layout is not None:  # a causal LoRA student: what makes its experts causal again on load
+                write_causal_config(out, layout)
         return out
 
     lora_dir, ema_dir = write(loop.output_dir / "lora"), None

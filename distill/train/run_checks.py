@@ -79,6 +79,29 @@ def check_one_transformer_settings(cfg: TrainConfig, info: TeacherInfo) -> None:
         )
 
 
+def check_causal_lora_method(cfg: TrainConfig, info: TeacherInfo) -> None:
+    """Refuse ode_init for a causal LoRA student of a teacher with two experts: it puts each chunk at
+    its own step of the grid in one forward, and the steps lie on both sides of the boundary, where
+    a LoRA student is two experts (one forward runs one of them)."""
+    if not (cfg.method == "ode_init" and cfg.student_lora_rank and cfg.student_chunk_frames):
+        return
+    if info.kind.experts == 1:
+        return  # one transformer reads a timestep per token at every step
+    raise DistillError(
+        "--method ode_init cannot train a causal LoRA student of a teacher with two experts",
+        f"ode_init puts each chunk of the clip at its own step in one forward. A LoRA student is "
+        f"{info.kind.model}'s two experts, switched at timestep {info.boundary_ratio * 1000:g}, and one "
+        "forward runs one expert: chunks on both sides of the boundary cannot share it.",
+        fixes=[
+            "train the causal LoRA student with --method self_forcing from the teacher's experts (each "
+            "chunk's steps run as forwards of their own); docs/streaming.md",
+            "or ode_init a separate causal student: drop --student_lora_rank and pass --student_config "
+            "and --student_init teacher",
+        ],
+        stage=Stage.CONFIG,
+    )
+
+
 def check_resolution(cfg: TrainConfig, info: TeacherInfo, student_config: dict[str, Any]) -> None:
     """Refuse a training size the teacher or the student cannot denoise (see check_sample_size)."""
     from distill.models.pipelines import SizeLimits, check_sample_size

@@ -35,6 +35,7 @@ from distill.data.prompts import reference_prompts
 from distill.data.samples import read_training_samples
 from distill.models.attention_backend import apply_backend, log_run_kernels
 from distill.models.causal.attention import enable_checkpointing, make_causal
+from distill.models.causal.experts import make_student_causal
 from distill.models.conditioning import condition_entries
 from distill.models.guided_teacher import GuidedTeacher
 from distill.models.layout import require_weights
@@ -64,6 +65,7 @@ from distill.train.methods import method_class
 from distill.train.plan import choose_placement
 from distill.train.plan_parallel import run_plan
 from distill.train.run_checks import (
+    check_causal_lora_method,
     check_causal_start,
     check_lora_ranks,
     check_one_transformer_settings,
@@ -125,6 +127,7 @@ class Distiller:
         check_resolution(cfg, self.info, self.student_config)
         check_one_transformer_settings(cfg, self.info)
         check_causal_start(cfg.student_init, cfg.student_chunk_frames)
+        check_causal_lora_method(cfg, self.info)
         # A prompt per sample, with its image for an image-to-video teacher (read as its kind needs;
         # a dry run decodes each in full: what it passes, the real run can read).
         data, kind = cfg.data_path, self.info.kind
@@ -323,6 +326,10 @@ class Distiller:
         )
         if self.lora_init is not None:
             lora.load(STUDENT_ADAPTER, self.lora_init.states())
+        if (
+            cfg.student_chunk_frames
+        ):  # the student kind: causal while its adapters run (the critic copies stay whole)
+            make_student_causal(lora, cfg.student_chunk_frames)
         return lora
 
     def init_from_teacher(
@@ -370,8 +377,9 @@ class Distiller:
             flag = f"--{name}_init" if own else "--student_init"
             model = load_pretrained_student(init, self.info.expert_config, flag=flag)
             check_pretrained_shape(model.config, config, init, flag, name)
-        if name == "student" and cfg.student_chunk_frames:
+        if name == "student" and cfg.student_chunk_frames and init != "lora":
             # The student kind: causal over chunks (the critic judges whole clips: it stays bidirectional).
+            # A LoRA student's experts were made causal with its adapters (add_lora), before placement.
             make_causal(model, cfg.student_chunk_frames)
         if cfg.gradient_checkpointing:
             # A causal student's recompute in backward must see its pass as the forward did.

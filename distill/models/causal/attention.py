@@ -26,12 +26,18 @@ of the heads, attended chunk by chunk as in one process.
 What a forward does is set by `causal_pass` (no pass: the whole clip at once from frame 0, as in
 training); the streaming sampler (distill/models/causal/streaming.py) runs one chunk at a time on a
 `KVCache`.
+
+A LoRA student is the teacher's own experts with the student's adapters on: `make_causal(expert,
+chunk, when=..., name="high")` (distill/models/causal/experts.py) makes an expert causal only while
+`when()` is true (the student's adapter active), so the same expert still attends over the whole clip as the teacher and the critic.
+Each expert keeps its own entries of a shared KV cache (`name` tells them apart), and a routed model
+(distill/models/lora.py: `routed_experts`) is causal through its experts.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -62,13 +68,20 @@ class CausalPass:
 
 
 class CausalState:
-    """Shared by a causal model's rope and processors: its layout, the pass running, and the grid
-    (frames, height, width in patches) the rope saw at the start of the forward."""
+    """Shared by a causal model's rope and processors: its layout, the pass running, the grid
+    (frames, height, width in patches) the rope saw at the start of the forward, and `when`: None
+    for a model that is always causal, else what says whether it is causal now (an expert of the
+    teacher is causal only while it runs the LoRA student's adapter)."""
 
-    def __init__(self, layout: CausalLayout) -> None:
+    def __init__(self, layout: CausalLayout, when: Callable[[], bool] | None = None) -> None:
         self.layout = layout
         self.current = CausalPass()
         self.grid: tuple[int, int, int] | None = None
+        self.when = when
+
+    @property
+    def causal_now(self) -> bool:
+        return self.when is None or self.when()
 
 
 class ChunkRope(WanRotaryPosEmbed):
@@ -104,7 +117,8 @@ class ChunkRope(WanRotaryPosEmbed):
         p_t, p_h, p_w = self.patch_size
         ppf, pph, ppw = frames // p_t, height // p_h, width // p_w
         self.state.grid = (ppf, pph, ppw)
-        start = self.state.current.start_frame
+        # Not causal now (the teacher's turn on a LoRA student's expert): the whole clip from frame 0.
+        start = self.state.current.start_frame if self.state.causal_now else 0
         frame_cos, frame_sin = self._frame_band(start + ppf)
         bands = []
         for frame_band, table in ((frame_cos, self.freqs_cos), (frame_sin, self.freqs_sin)):
@@ -129,19 +143,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class ChunkCausalProcessor:
-    """Self-attention of one block of a causal model (`layer`: the block's index, its cache entry).
+    """Self-attention of one block of a causal model (`layer`: its entry in the KV cache, the
+    block's index, or (expert, index) for an expert of a LoRA student).
 
     The queries of each chunk attend to the keys of the chunks they may see: those held in the pass's
     cache and those of this pass up to and including their own chunk (within `window` chunks back).
     The chunks are contiguous, so that is one slice of the keys per chunk and one unmasked attention
-    call; the per-chunk results are the rows a block-causal mask would give.
+    call; the per-chunk results are the rows a block-causal mask would give. While the model is not
+    causal (`CausalState.when`), every query attends to every key of the forward, as Wan's own
+    processor does, and the pass and its cache are left alone.
     """
 
     # Set by diffusers' set_attention_backend / enable_parallelism on every processor.
     _attention_backend = None
     _parallel_config = None
 
-    def __init__(self, state: CausalState, layer: int) -> None:
+    def __init__(self, state: CausalState, layer: Hashable) -> None:
         self.state = state
         self.layer = layer
 
@@ -176,6 +193,11 @@ class ChunkCausalProcessor:
         if group is not None:
             query, key, value = (heads_to_ranks(t, group) for t in (query, key, value))
 
+        if not state.causal_now:
+            run = CausalPass(start_frame=0, window=None)
+            chunk = frames  # one chunk: the whole forward, no cache
+        else:
+            chunk = state.layout.chunk_frames
         held = run.cache.read(self.layer) if run.cache is not None else None
         first = run.start_frame
         keys, values = key, value
@@ -184,7 +206,6 @@ class ChunkCausalProcessor:
             first = run.cache.first_frame
             keys, values = torch.cat([held[0], key], dim=1), torch.cat([held[1], value], dim=1)
 
-        chunk = state.layout.chunk_frames
         out = []
         for start in range(run.start_frame, run.start_frame + frames, chunk):
             end = start + chunk
@@ -211,10 +232,20 @@ class ChunkCausalProcessor:
         return attn.to_out[1](hidden_states)
 
 
-def make_causal(model: torch.nn.Module, chunk_frames: int) -> torch.nn.Module:
+def make_causal(
+    model: torch.nn.Module,
+    chunk_frames: int,
+    *,
+    when: Callable[[], bool] | None = None,
+    name: str | None = None,
+) -> torch.nn.Module:
     """`model` (a bare WanTransformer3DModel: before DDP, compile or sharding) made block-causal over
     chunks of `chunk_frames` latent frames, in place; returns it. Weights are untouched. An attention
-    backend set on its processors before is kept. Calling it again changes the chunk size."""
+    backend set on its processors before is kept. Calling it again changes the chunk size.
+
+    `when`: causal only while it returns True (else it attends as Wan's own processors do), for an
+    expert that is also the teacher. `name`: the model's own entries in a KV cache it shares with
+    other causal models (each expert of a LoRA student)."""
     layout = CausalLayout(check_chunk_frames(chunk_frames))
     if getattr(model, "_parallel_config", None) is not None:
         # Sequence parallel hooks the rope by its module, which make_causal replaces.
@@ -223,25 +254,41 @@ def make_causal(model: torch.nn.Module, chunk_frames: int) -> torch.nn.Module:
     if existing is not None:
         existing.layout = layout
         return model
-    state = CausalState(layout)
+    state = CausalState(layout, when)
     model.rope = ChunkRope(model.rope, state)
     for index, block in enumerate(model.blocks):
-        processor = ChunkCausalProcessor(state, index)
+        processor = ChunkCausalProcessor(state, index if name is None else (name, index))
         processor._attention_backend = getattr(block.attn1.processor, "_attention_backend", None)
         block.attn1.set_processor(processor)
     return model
 
 
+def _states_of(model: torch.nn.Module) -> list[CausalState]:
+    """The causal states of `model`: its own, or one per expert of a routed model (a LoRA student,
+    whose experts are not its submodules). Through any wrapper (DDP's .module, torch.compile's
+    ._orig_mod are submodules)."""
+    states: list[CausalState] = []
+    for module in model.modules():
+        parts = getattr(module, "routed_experts", None)
+        for part in [module] if parts is None else [module, *(m for e in parts() for m in e.modules())]:
+            if isinstance(part, ChunkRope) and all(part.state is not s for s in states):
+                states.append(part.state)
+    return states
+
+
 def _state_of(model: torch.nn.Module) -> CausalState | None:
-    # Through any wrapper (DDP's .module, torch.compile's ._orig_mod are submodules).
-    rope = next((m for m in model.modules() if isinstance(m, ChunkRope)), None)
-    return rope.state if rope is not None else None
+    """The causal state of a model made causal as one (not a routed model), None for a bidirectional one."""
+    states = _states_of(model)
+    if len(states) > 1:
+        raise ValueError("a routed model's experts are causal each: take them one by one")
+    return states[0] if states else None
 
 
 def causal_layout(model: torch.nn.Module) -> CausalLayout | None:
-    """The layout of a causal model (also inside DDP or torch.compile), None for a bidirectional one."""
-    state = _state_of(model)
-    return state.layout if state is not None else None
+    """The layout of a causal model (also inside DDP or torch.compile, or a LoRA student's experts),
+    None for a bidirectional one."""
+    states = _states_of(model)
+    return states[0].layout if states else None
 
 
 @contextlib.contextmanager
@@ -255,11 +302,12 @@ def causal_pass(
 ) -> Iterator[CausalState]:
     """Within the block, forwards of the causal `model` cover frames from `start_frame` and attend to
     the chunks `cache` holds; with `commit`, a forward that finishes adds its chunks to the cache.
-    `window` defaults to the cache's."""
-    state = _state_of(model)
-    if state is None:
+    `window` defaults to the cache's. A LoRA student's experts run the pass each, on their own
+    entries of the cache; a commit pass must run every one of them (`each_expert`)."""
+    states = _states_of(model)
+    if not states:
         raise ValueError("causal_pass needs a causal model (make_causal)")
-    chunk = state.layout.chunk_frames
+    chunk = states[0].layout.chunk_frames
     if start_frame % chunk:
         raise ValueError(
             f"a pass starts on a chunk boundary (a multiple of {chunk}), got frame {start_frame}"
@@ -268,18 +316,24 @@ def causal_pass(
         raise ValueError(f"the KV cache ends at frame {cache.end_frame}, the pass starts at {start_frame}")
     if window is None and cache is not None:
         window = cache.window
-    previous = state.current
-    state.current = CausalPass(start_frame, cache, commit, window)
+    previous = [state.current for state in states]
+    for state in states:
+        # The grid is set again by the rope of each forward; cleared, it tells which experts ran.
+        state.current, state.grid = CausalPass(start_frame, cache, commit, window), None
     try:
-        yield state
+        yield states[0]
     except BaseException:
         if cache is not None:
             cache.discard()
         raise
     finally:
-        state.current = previous
-    if commit and cache is not None and state.grid is not None:
-        frames, height, width = state.grid
+        grids = {state.grid for state in states if state.grid is not None}
+        for state, run in zip(states, previous):
+            state.current = run
+    if commit and cache is not None and grids:
+        if len(grids) > 1:
+            raise ValueError(f"the experts of one pass saw other grids: {sorted(grids)}")
+        frames, height, width = grids.pop()
         chunks = [
             (f, min(chunk, start_frame + frames - f)) for f in range(start_frame, start_frame + frames, chunk)
         ]
@@ -324,8 +378,13 @@ def causal_checkpointing(model: torch.nn.Module) -> Callable[..., Any] | None:
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
-    """Gradient checkpointing on `model`: diffusers' own for a bidirectional model (or a routed LoRA
-    model, whose method takes no function), `causal_checkpointing` for a causal one."""
+    """Gradient checkpointing on `model`: diffusers' own for a bidirectional model,
+    `causal_checkpointing` for a causal one; a routed model's experts each as they are."""
+    experts = getattr(model, "routed_experts", None)
+    if experts is not None:
+        for expert in experts():
+            enable_checkpointing(expert)
+        return
     checkpointing = causal_checkpointing(model)
     if checkpointing is None:
         model.enable_gradient_checkpointing()

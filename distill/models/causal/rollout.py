@@ -27,7 +27,7 @@ import torch
 
 from distill.models.causal.attention import causal_layout, causal_pass
 from distill.models.causal.kv_cache import KVCache
-from distill.models.causal.streaming import CONTEXT_TIMESTEP
+from distill.models.causal.streaming import CONTEXT_TIMESTEP, cache_filler
 from distill.models.conditioning import Condition, blend_latents, condition_frames, conditioned
 from distill.models.few_step import rollout
 from distill.models.teacher_kind import T2V_A14B, TeacherKind
@@ -106,7 +106,7 @@ def rollout_clip(
             parts.append(clean)
         if first + chunk < frames:  # the estimate, detached, is the next chunks' clean context
             with torch.no_grad(), causal_pass(student, start_frame=first, cache=cache, commit=True):
-                conditioned(student, kind, part)(
+                conditioned(cache_filler(student), kind, part)(
                     hidden_states=clean.detach().to(dtype),
                     timestep=torch.full((batch,), CONTEXT_TIMESTEP, device=device),
                     encoder_hidden_states=cond,

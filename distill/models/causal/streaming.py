@@ -36,6 +36,14 @@ from distill.models.teacher_kind import T2V_A14B, TeacherKind
 CONTEXT_TIMESTEP = 0.0
 
 
+def cache_filler(student: torch.nn.Module) -> Callable[..., Any]:
+    """What runs the pass that adds a clean chunk to the KV cache: the student, or every expert of a
+    LoRA student (its `each_expert`). Routed by the timestep, t=0 would reach the low-noise expert
+    alone, and the high-noise expert needs the finished chunks' keys of its own for the first steps
+    of the next chunk. (Each expert reads the chunk at t=0: the clean context streaming gives.)"""
+    return getattr(student, "each_expert", student)
+
+
 @dataclass(frozen=True)
 class StreamedChunk:
     """One finished chunk: `latents` (B, C, frames, h, w), float32, from latent frame `first_frame`."""
@@ -109,7 +117,7 @@ def stream_latents(
         yield StreamedChunk(index, first, clean, last)
         if not last:  # the clean chunk becomes context for every later one
             with causal_pass(student, start_frame=first, cache=cache, commit=True):
-                conditioned(student, kind, part)(
+                conditioned(cache_filler(student), kind, part)(
                     hidden_states=clean.to(dtype),
                     timestep=torch.full((clean.shape[0],), CONTEXT_TIMESTEP, device=device),
                     encoder_hidden_states=cond,
