@@ -174,6 +174,35 @@ def test_gradient_checkpointing_gives_the_gradients_of_the_rollout_without_it(ti
         gradients("stock")
 
 
+def test_a_checkpointed_rollout_holds_each_chunks_keys_once(tiny_teacher: Path) -> None:
+    """Until backward, each chunk's checkpointed exit step keeps the KV cache as it saw it. The
+    snapshots share the chunks' tensors, so what the rollout holds grows with the chunks, not with the
+    sum of their prefixes (a cache grown by concatenation held chunk 0 once per later chunk: 8 more
+    frames then cost 2.4x what the first 8 did)."""
+    from distill.ops.live_memory import LiveTensorMemory
+
+    model = causal_expert(tiny_teacher).train()
+    model.enable_gradient_checkpointing(causal_checkpointing(model))
+    timesteps, sigmas = grid()
+
+    def held(frames: int) -> int:
+        generator = torch.Generator().manual_seed(0)
+        noise = torch.randn(1, 16, frames, 8, 8, generator=generator)
+        text = torch.randn(1, 7, 32, generator=generator)
+        with LiveTensorMemory() as memory:
+            memory.hold([*model.parameters(), *model.buffers(), noise, text])
+            start = memory.live
+            clip = rollout_clip(
+                model, noise, text, timesteps, sigmas, lambda s: torch.randn(s, generator=generator), 0
+            )
+            kept = memory.live - start
+        del clip
+        return kept
+
+    one, nine, seventeen = held(1), held(9), held(17)
+    assert seventeen - nine < 1.2 * (nine - one), (one, nine, seventeen)
+
+
 def test_one_timestep_per_latent_frame_reaches_every_token_of_its_frame(tiny_teacher: Path) -> None:
     model = load_expert(inspect_teacher(str(tiny_teacher)), "transformer", torch.float32)
     noise, text = clip_inputs(4)

@@ -241,3 +241,59 @@ def test_the_plan_says_what_the_real_a14b_step_holds():
     )
     block_inputs = 40 * 32760 * 5120 * 2
     assert lora.held >= block_inputs and lora.peak > lora.held
+
+
+@pytest.mark.parametrize("student", ["separate", "lora"])
+def test_the_plan_counts_the_kv_cache_a_self_forcing_rollout_fills(
+    tiny_teacher, tmp_path, monkeypatch, student
+):
+    """The plan's KV cache of a rollout at its fullest is the bytes the real one holds: every chunk but
+    the last, every layer's keys and values, in the dtype the student attends in (bf16 under autocast,
+    float32 without), once per expert of a LoRA student."""
+    from distill.models.causal import rollout
+    from distill.models.causal.kv_cache import KVCache
+    from distill.train.plan import rollout_cache
+
+    caches: list[KVCache] = []
+
+    class Kept(KVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
+
+    monkeypatch.setattr(rollout, "KVCache", Kept)
+    own = (
+        dict(student_lora_rank=4, student_config=None)
+        if student == "lora"
+        else dict(student_init="teacher", mixed_precision="bf16")
+    )
+    args = train_args(
+        tiny_teacher,
+        tmp_path / "out",
+        tmp_path / "cache",
+        method="self_forcing",
+        student_chunk_frames=1,
+        num_frames=9,
+        height=32,
+        width=32,
+        max_prompts=2,
+        batch_size=1,
+        num_steps=1,
+        critic_updates=2,
+        gradient_checkpointing=True,
+        **own,
+    )
+    distiller = Distiller(parse_config(args))
+    distiller.run()
+    held = max(
+        sum(
+            t.numel() * t.element_size()
+            for chunks in (*c._keys.values(), *c._values.values())
+            for t in chunks
+        )
+        for c in caches
+    )
+    cfg = distiller.cfg
+    planned = rollout_cache(cfg, distiller.info, distiller.student_config, distiller.teacher_dtype)
+    assert held > 0 and planned.live == held
+    assert planned.kept == held  # checkpointed: the exit steps' snapshots share the chunks held

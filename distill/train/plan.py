@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from distill.config.causal_rules import latent_frames
 from distill.config.settings import TrainConfig
 from distill.models.lora import LoraShape, count_adapter_parameters
 from distill.models.teacher import TeacherInfo, resolve_dtype
@@ -204,6 +205,51 @@ def _uses(
     return uses
 
 
+@dataclass(frozen=True)
+class RolloutCache:
+    """The KV cache of a self_forcing rollout, in bytes per rank: `live` at its fullest during a
+    rollout, `kept` until the generator update's backward (what its exit steps saved)."""
+
+    live: float = 0.0
+    kept: float = 0.0
+
+
+def rollout_cache(
+    cfg: TrainConfig, info: TeacherInfo, student_config: dict[str, Any], teacher_dtype: torch.dtype
+) -> RolloutCache:
+    """What the KV cache of a causal student's training rollout holds (distill/models/causal/rollout.py).
+
+    A chunk's keys and values: 2 x layers x width x its tokens, in the dtype the student attends in
+    (16-bit under autocast, or a LoRA student's 16-bit experts), for this rank's share of the heads
+    under sequence parallel, once per expert of a LoRA student (each keeps its own). The cache holds
+    every chunk but the one being made (the window's chunks for a longer rollout). Until backward,
+    the generator update keeps what its exit steps saw: with checkpointing each chunk's snapshot of
+    the cache, which share the chunks' tensors (every chunk before the last judged one, once); without,
+    the keys each exit step's attention saved (its prefix and itself, for every judged chunk)."""
+    if cfg.method != "self_forcing" or not cfg.student_chunk_frames:
+        return RolloutCache()
+    config = info.expert_config if cfg.student_lora_rank else student_config
+    width = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    sixteen_bit = AUTOCAST[cfg.mixed_precision] is not None or (
+        cfg.student_lora_rank and teacher_dtype in (torch.bfloat16, torch.float16)
+    )
+    chunk = cfg.student_chunk_frames
+    chunks = latent_frames(cfg.num_frames) // chunk  # the clip the teacher judges
+    tokens = tokens_of(cfg, info) // chunks  # a chunk's
+    caches = info.kind.experts if cfg.student_lora_rank else 1
+    per_chunk = 2.0 * int(config["num_layers"]) * width * (2 if sixteen_bit else 4) * tokens
+    per_chunk *= cfg.batch_size * caches / cfg.sequence_parallel
+    window = chunks - 1  # the clip's span: all but the chunk being made (generate --stream's default)
+    if not cfg.longer_rollout:
+        seen_by_judged = chunks - 1  # chunks 0 .. n-2
+        saved = chunks * (chunks + 1) / 2  # chunk k's attention saves its k + 1 chunks' keys
+    else:  # a window judged at the end of a longer stream: its chunks see `window` before them each
+        seen_by_judged = window + chunks - 1
+        saved = chunks * (window + 1)
+    kept = seen_by_judged if cfg.gradient_checkpointing else saved
+    return RolloutCache(live=window * per_chunk, kept=kept * per_chunk)
+
+
 def step_activations(
     cfg: TrainConfig,
     info: TeacherInfo,
@@ -225,6 +271,7 @@ def step_activations(
     values in every cross-attention, the weights' gradients) stays whole in the plan.
     """
     uses = _uses(cfg, info, student_config, critic_config, teacher_dtype)
+    cache = rollout_cache(cfg, info, student_config, teacher_dtype)
     student_params, critic_params = trained_parameters(cfg, info, student_config, critic_config)
     accumulating = cfg.gradient_accumulation_steps > 1
     grads = {"student": 4.0 * student_params if accumulating else 0.0}
@@ -233,17 +280,17 @@ def step_activations(
     student = trained(uses["student"]["train"])
     phases = {
         "the teacher's forward": teacher + grads["student"],
-        "the student's forward and backward": student.peak + grads["student"],
+        "the student's forward and backward": student.peak + cache.kept + grads["student"],
     }
     if cfg.trains_critic:
         rollout = no_grad_peak(uses["student"]["no_grad"])
-        phases["the student's rollout"] = rollout + max(grads.values())
+        phases["the student's rollout"] = rollout + cache.live + max(grads.values())
         critic_no_grad = 0.0
         if "critic" in uses:
             critic = trained(uses["critic"]["train"])
             critic_no_grad = no_grad_peak(uses["critic"]["no_grad"])
             phases["the critic's forward and backward"] = critic.peak + grads["critic"]
-        scores = student.held + max(teacher, critic_no_grad) + grads["student"]
+        scores = student.held + cache.kept + max(teacher, critic_no_grad) + grads["student"]
         phases["the scores (teacher and critic) over the student's saved activations"] = scores
         del phases["the teacher's forward"]  # it runs inside the scores phase
     phase = max(phases, key=phases.get)
@@ -450,6 +497,13 @@ def memory_plan(
             else ""
         )
     )
+    cache = rollout_cache(cfg, info, student_config, teacher_dtype)
+    if cache.kept:
+        experts = " (each expert its own)" if cfg.student_lora_rank and info.kind.experts > 1 else ""
+        lines.append(
+            f"  of which the rollout's KV cache{experts}: {cache.kept / GIB:.2f} GiB kept until the "
+            f"student's backward (what its exit steps saw), {cache.live / GIB:.2f} GiB at its fullest"
+        )
     if world_size < 2:
         lines.append("  (shard needs torchrun with several ranks; with one it equals gpu)")
     elif 1 < local_world_size < world_size:

@@ -198,13 +198,13 @@ class ChunkCausalProcessor:
             chunk = frames  # one chunk: the whole forward, no cache
         else:
             chunk = state.layout.chunk_frames
-        held = run.cache.read(self.layer) if run.cache is not None else None
+        held_keys, held_values = run.cache.parts(self.layer) if run.cache is not None else ([], [])
         first = run.start_frame
         keys, values = key, value
-        if held is not None:
+        if held_keys:
             assert run.cache is not None and run.cache.first_frame is not None
             first = run.cache.first_frame
-            keys, values = torch.cat([held[0], key], dim=1), torch.cat([held[1], value], dim=1)
+            keys, values = torch.cat([*held_keys, key], dim=1), torch.cat([*held_values, value], dim=1)
 
         out = []
         for start in range(run.start_frame, run.start_frame + frames, chunk):

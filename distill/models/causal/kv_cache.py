@@ -11,10 +11,17 @@ attention depend on frame differences only, so they stay right however far the s
 `window` bounds the memory and the attention span: the cache keeps at most that many chunks and drops
 the oldest when a new one is added, so a clip longer than the student was trained on streams with the
 same span it was trained with. None keeps every chunk.
+
+Each chunk's keys and values are a tensor of their own, never copied into a longer one: a training
+rollout's checkpointed forwards each keep a snapshot of the cache as they saw it until backward
+(distill/models/causal/attention.py), and snapshots of chunk tensors share them, so the rollout holds
+every chunk's keys once (a cache grown by concatenation held chunk 0 in every snapshot: the sum of
+all prefixes, quadratic in the chunks). `read` joins them for one forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,12 +31,13 @@ import torch
 class _Pending:
     """What a commit pass stages, layer by layer, until it is added as whole chunks."""
 
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    keys: dict[Hashable, torch.Tensor] = field(default_factory=dict)
+    values: dict[Hashable, torch.Tensor] = field(default_factory=dict)
 
 
 class KVCache:
-    """Per-layer keys and values (B, tokens, heads, head_dim) of contiguous finished chunks.
+    """Per-layer keys and values (B, tokens, heads, head_dim) of contiguous finished chunks; a layer
+    is any key its model's processors use (the block's index, or (expert, index)).
 
     The chunks held are `chunks` ((first frame, frames) each, oldest first); they always cover
     consecutive frames ending at `end_frame`, the first frame the next pass may start at.
@@ -41,8 +49,9 @@ class KVCache:
         self.window = window
         self.chunks: list[tuple[int, int]] = []
         self.tokens_per_frame: int | None = None
-        self._keys: dict[int, torch.Tensor] = {}
-        self._values: dict[int, torch.Tensor] = {}
+        # Per layer, one tensor per chunk held, oldest first.
+        self._keys: dict[Hashable, list[torch.Tensor]] = {}
+        self._values: dict[Hashable, list[torch.Tensor]] = {}
         self._pending = _Pending()
         self.dropped = 0  # chunks dropped by the window so far
 
@@ -59,13 +68,19 @@ class KVCache:
         first, frames = self.chunks[-1]
         return first + frames
 
-    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def read(self, layer: Hashable) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(keys, values) of `layer` over every chunk held, None when empty."""
-        if layer not in self._keys:
+        keys, values = self.parts(layer)
+        if not keys:
             return None
-        return self._keys[layer], self._values[layer]
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
-    def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def parts(self, layer: Hashable) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(keys, values) of `layer`, one tensor per chunk held, oldest first (empty lists when none):
+        a forward joins them with its own keys in one concatenation."""
+        return list(self._keys.get(layer, [])), list(self._values.get(layer, []))
+
+    def stage(self, layer: Hashable, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold `layer`'s keys and values of the pass now running; `commit` adds them."""
         # Detached: the cache holds context, never a path for gradients into earlier chunks.
         self._pending.keys[layer] = keys.detach()
@@ -87,24 +102,24 @@ class KVCache:
                 f"the KV cache holds {self.tokens_per_frame} tokens a frame, this pass {tokens_per_frame}"
             )
         self.tokens_per_frame = tokens_per_frame
+        sizes = [frames * tokens_per_frame for _, frames in chunks]
         for layer, keys in pending.keys.items():
-            values = pending.values[layer]
-            if layer in self._keys:
-                keys = torch.cat([self._keys[layer], keys], dim=1)
-                values = torch.cat([self._values[layer], values], dim=1)
-            self._keys[layer], self._values[layer] = keys, values
+            # A pass over several chunks: one view of its tensor per chunk (freed with the last of them).
+            self._keys.setdefault(layer, []).extend(keys.split(sizes, dim=1))
+            self._values.setdefault(layer, []).extend(pending.values[layer].split(sizes, dim=1))
         self.chunks.extend(chunks)
         while self.window is not None and len(self.chunks) > self.window:
             self._drop_oldest()
 
     def snapshot(self) -> KVCache:
         """A copy holding the chunks held now, which later commits and drops leave as it is (they
-        replace this cache's tensors, never change them in place): what a checkpointed forward's
-        recompute in backward must read again."""
+        change this cache's lists, never its tensors): what a checkpointed forward's recompute in
+        backward must read again. It shares the chunks' tensors with the cache."""
         copy = KVCache(self.window)
         copy.chunks = list(self.chunks)
         copy.tokens_per_frame = self.tokens_per_frame
-        copy._keys, copy._values = dict(self._keys), dict(self._values)
+        copy._keys = {layer: list(chunks) for layer, chunks in self._keys.items()}
+        copy._values = {layer: list(chunks) for layer, chunks in self._values.items()}
         copy.dropped = self.dropped
         return copy
 
@@ -113,10 +128,8 @@ class KVCache:
         self._pending = _Pending()
 
     def _drop_oldest(self) -> None:
-        _, frames = self.chunks.pop(0)
-        tokens = frames * (self.tokens_per_frame or 0)
+        self.chunks.pop(0)
         for layer in self._keys:
-            # clone: a slice would keep the dropped chunk's storage alive
-            self._keys[layer] = self._keys[layer][:, tokens:].clone()
-            self._values[layer] = self._values[layer][:, tokens:].clone()
+            self._keys[layer].pop(0)
+            self._values[layer].pop(0)
         self.dropped += 1
