@@ -484,14 +484,18 @@ def test_a_causal_start_is_not_trained_bidirectionally(tmp_path: Path) -> None:
     check_causal_start(str(tmp_path), None)  # a bidirectional start: nothing to keep
 
 
+@pytest.mark.parametrize("student", ["separate", "lora"])
 def test_two_ranks_train_a_causal_student_by_self_forcing_as_one_process(
-    tiny_teacher: Path, tmp_path: Path
+    tiny_teacher: Path, tmp_path: Path, student: str
 ) -> None:
     """DDP with a rollout that makes several forwards carry gradient (one per chunk) before one
     backward: 2 ranks of batch 1 give the losses and gradient norms of one process of batch 2. The
     rollout is longer than the clip (--rollout_frames): each rank streams to the same judged window,
-    the chunks before it without gradient."""
+    the chunks before it without gradient. A LoRA student: the teacher's experts, each with its own
+    KV cache, the exit steps of one update all on one expert (the other's adapters without gradient)."""
     from test_distributed import assert_same_trajectory, launch
+
+    lora = dict(student_lora_rank=4, student_config=None, student_init=None) if student == "lora" else {}
 
     def args(nproc: int, batch: int) -> list[str]:
         return causal_args(
@@ -501,10 +505,12 @@ def test_two_ranks_train_a_causal_student_by_self_forcing_as_one_process(
             batch_size=batch,
             log_every=1,
             rollout_frames=17,
+            **lora,
         )
 
     two = launch(args(2, 1), nproc=2).stderr
-    assert run(args(1, 2)).student_dir.is_dir()
+    result = run(args(1, 2))
+    assert (result.output_dir / ("lora" if lora else "student") / "causal_config.json").is_file()
     keys = ("loss", "grad_norm", "critic_loss", "critic_grad_norm")
     assert_same_trajectory([tmp_path / "n1", tmp_path / "n2"], keys=keys)
     assert "all 2 ranks hold identical student and critic weights" in two

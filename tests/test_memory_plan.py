@@ -252,7 +252,7 @@ def test_the_plan_counts_the_kv_cache_a_self_forcing_rollout_fills(
     float32 without), once per expert of a LoRA student."""
     from distill.models.causal import rollout
     from distill.models.causal.kv_cache import KVCache
-    from distill.train.plan import rollout_cache
+    from distill.train.rollout_memory import rollout_cache
 
     caches: list[KVCache] = []
 

@@ -64,6 +64,20 @@ METHODS = {
         4,
         [2, 6],
     ),
+    # A causal LoRA student: the teacher's experts, causal while the student's adapters run and split
+    # once; each streams a chunk on its own KV cache of the swapped keys, and answers as the teacher
+    # and the critic's adapters over the whole clip.
+    "lora_self_forcing": (
+        {
+            **CAUSAL,
+            "method": "self_forcing",
+            "critic_updates": 2,
+            "student_lora_rank": 4,
+            "student_init": None,
+        },
+        2,
+        [2, 6],
+    ),
 }
 REFERENCE = {"shard": "velocity"}
 
@@ -108,7 +122,7 @@ def args(teachers: dict[str, Path], out: Path, cache: Path, method: str, **more:
             teachers[f"{name}_teacher"], out, cache / name, **COMMON, **METHODS[method][0], **world, **more
         )
     argv = train_args(teachers["t2v"], out, cache, **COMMON, **METHODS[method][0], **more)
-    if method == "lora":  # the student is the teacher's experts: no student config
+    if METHODS[method][0].get("student_lora_rank"):  # the student is the teacher's experts: no student config
         at = argv.index("--student_config")
         del argv[at : at + 2]
     return argv

@@ -58,22 +58,13 @@ from distill.ops.paths import check_paths
 from distill.report.monitor import SampleMonitor, SampleSettings
 from distill.sample.lora_fit import lora_start
 from distill.train import checkpoint as ckpt
+from distill.train import run_checks
 from distill.train.export import EXPORTS, export_run
 from distill.train.identity import check_identity, run_identity
 from distill.train.loop import RunResult, TrainingLoop
 from distill.train.methods import method_class
 from distill.train.plan import choose_placement
 from distill.train.plan_parallel import run_plan
-from distill.train.run_checks import (
-    check_causal_lora_method,
-    check_causal_start,
-    check_lora_ranks,
-    check_one_transformer_settings,
-    check_pretrained_shape,
-    check_resolution,
-    check_sample_frames,
-    teacher_load_waves,
-)
 from distill.train.sequence_parallel import context_groups, split_model
 
 logger = logging.getLogger(__name__)
@@ -109,7 +100,7 @@ class Distiller:
         )
         self.lora: LoraExperts | None = None  # the shared experts' adapters, once loaded
         if cfg.student_lora_rank:
-            check_lora_ranks(cfg, self.info.expert_config)
+            run_checks.check_lora_ranks(cfg, self.info.expert_config)
         # A wrong start (other shape or teacher, damaged file) is refused now; its weights load later.
         self.lora_init: LoraFolder | None = None
         if cfg.student_lora_init:
@@ -124,15 +115,15 @@ class Distiller:
                 f"the student of {cfg.student_config} (--export_formats original)",
                 Stage.CONFIG,
             )
-        check_resolution(cfg, self.info, self.student_config)
-        check_one_transformer_settings(cfg, self.info)
-        check_causal_start(cfg.student_init, cfg.student_chunk_frames)
-        check_causal_lora_method(cfg, self.info)
+        run_checks.check_resolution(cfg, self.info, self.student_config)
+        run_checks.check_one_transformer_settings(cfg, self.info)
+        run_checks.check_causal_start(cfg.student_init, cfg.student_chunk_frames)
+        run_checks.check_causal_lora_method(cfg, self.info)
         # A prompt per sample, with its image for an image-to-video teacher (read as its kind needs;
         # a dry run decodes each in full: what it passes, the real run can read).
         data, kind = cfg.data_path, self.info.kind
         self.samples = read_training_samples(data, kind, cfg.max_prompts, decode=cfg.dry_run)
-        check_sample_frames(cfg, self.info, image=self.samples[0].image is not None)
+        run_checks.check_sample_frames(cfg, self.info, image=self.samples[0].image is not None)
         self.prompts = [sample.prompt for sample in self.samples]
         # The samples the teacher samples a clean latent for before step 1: every training sample,
         # unless the method's updates never read them (data-free dmd: a reference set for metrics).
@@ -281,7 +272,7 @@ class Distiller:
 
     def load_teacher_experts(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         cfg, device = self.cfg, self.device
-        waves = teacher_load_waves(self.cfg, self.info, self.teacher_dtype)
+        waves = run_checks.teacher_load_waves(self.cfg, self.info, self.teacher_dtype)
         local_rank = self.ctx.local_rank
         per_wave = math.ceil(int(os.environ.get("LOCAL_WORLD_SIZE", "1")) / waves)
         experts: tuple[torch.nn.Module, torch.nn.Module | None] | None = None
@@ -328,7 +319,7 @@ class Distiller:
             lora.load(STUDENT_ADAPTER, self.lora_init.states())
         if (
             cfg.student_chunk_frames
-        ):  # the student kind: causal while its adapters run (the critic copies stay whole)
+        ):  # causal while the student's adapters run (a full critic's copies: whole)
             make_student_causal(lora, cfg.student_chunk_frames)
         return lora
 
@@ -376,10 +367,9 @@ class Distiller:
             own = name != "student" and getattr(cfg, f"{name}_init", None)
             flag = f"--{name}_init" if own else "--student_init"
             model = load_pretrained_student(init, self.info.expert_config, flag=flag)
-            check_pretrained_shape(model.config, config, init, flag, name)
+            run_checks.check_pretrained_shape(model.config, config, init, flag, name)
         if name == "student" and cfg.student_chunk_frames and init != "lora":
-            # The student kind: causal over chunks (the critic judges whole clips: it stays bidirectional).
-            # A LoRA student's experts were made causal with its adapters (add_lora), before placement.
+            # The student kind: causal over chunks (the critic stays bidirectional; LoRA: in add_lora).
             make_causal(model, cfg.student_chunk_frames)
         if cfg.gradient_checkpointing:
             # A causal student's recompute in backward must see its pass as the forward did.
