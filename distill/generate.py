@@ -61,6 +61,7 @@ from distill.config.flag_rules import (
     given_where,
     second_expert_guidance,
 )
+from distill.models.causal.layout import read_causal_config
 from distill.models.few_step import renoising_from
 from distill.models.lora_files import is_lora_folder
 from distill.models.pipelines import (
@@ -282,6 +283,13 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], list[Path], Any]:
     dtype = resolve_dtype(args.dtype, device)
     if layout is not None:  # --stream: the causal student's streamer stands in for the pipeline
         return build_streamer(args, info, device, dtype, run, layout, prompts), prompts, targets, images
+    if not args.teacher_only and read_causal_config(args.student) is not None:
+        logger.warning(
+            "%s is a causal student: --stream makes the clips it was trained to make (chunk after chunk on "
+            "its KV cache); without it the pipeline denoises the whole clip at once%s",
+            args.student,
+            ", its adapters attending over all of it" if is_lora_folder(args.student) else "",
+        )
     return build_pipeline(args, info, device, dtype, run, image=images is not None), prompts, targets, images
 
 

@@ -159,7 +159,7 @@ def adapters(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_causal_lora_student_trains_by_self_forcing_resumes_bitwise_and_streams(
-    tiny_teacher: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_teacher: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     cache = tmp_path / "cache"
     common = dict(checkpoint_every=2, ema_decay=0.9)
@@ -194,6 +194,17 @@ def test_a_causal_lora_student_trains_by_self_forcing_resumes_bitwise_and_stream
         ]
     )
     assert code == 0 and imageio.get_reader(video.with_suffix(".mp4")).count_frames() == 33
+    # Without --stream the stock pipeline renders it whole (the adapters as diffusers loads them), and says so.
+    whole = tmp_path / "whole"
+    code = generate.main(
+        [
+            *("--student", str(lora), "--teacher_path", str(tiny_teacher)),
+            *("--height", "32", "--width", "32", "--num_frames", "9", "--prompt", "a red ball"),
+            *("--output", str(whole)),
+        ]
+    )
+    assert code == 0 and imageio.get_reader(whole.with_suffix(".mp4")).count_frames() == 9
+    assert "is a causal student: --stream makes the clips" in caplog.text
 
 
 def test_a_bidirectional_lora_student_learns_by_ode_init_and_is_not_streamed(
