@@ -64,9 +64,10 @@ METHODS = {
         4,
         [2, 6],
     ),
-    # A causal LoRA student: the teacher's experts, causal while the student's adapters run and split
-    # once; each streams a chunk on its own KV cache of the swapped keys, and answers as the teacher
-    # and the critic's adapters over the whole clip.
+    # A causal LoRA student: the teacher's experts, sharded with FSDP2 over the group's two ranks,
+    # causal while the student's adapters run and split once; each streams a chunk on its own KV
+    # cache of the swapped keys, and answers as the teacher and the critic's adapters over the whole
+    # clip. (One process: the experts whole.)
     "lora_self_forcing": (
         {
             **CAUSAL,
@@ -74,6 +75,7 @@ METHODS = {
             "critic_updates": 2,
             "student_lora_rank": 4,
             "student_init": None,
+            "teacher_placement": "shard",
         },
         2,
         [2, 6],
