@@ -143,20 +143,24 @@ def causal_args(world: dict[str, object], out: Path, **overrides: object) -> lis
     """Self-Forcing from the teacher's high-noise expert made causal (chunks of one latent frame: the
     5-frame clip streams as 2 chunks on the KV cache), judged by the teacher and a critic."""
     settings = dict(method="self_forcing", student_chunk_frames=1, student_init="teacher", critic_updates=1)
-    return args_for(world, out, log_every=1, **settings, **overrides)
+    return args_for(world, out, log_every=1, **{**settings, **overrides})
 
 
-def test_a_causal_student_on_cuda_computes_what_the_cpu_does_and_trains_in_bf16(world, tmp_path):
+@pytest.mark.parametrize("student", ["separate", "lora"])
+def test_a_causal_student_on_cuda_computes_what_the_cpu_does_and_trains_in_bf16(world, tmp_path, student):
     """The causal attention (chunk by chunk on a KV cache, whatever kernel SDPA picks on the GPU): the
-    first self_forcing loss in float32 on CUDA is the CPU's, and a bf16 run with checkpointing trains."""
+    first self_forcing loss in float32 on CUDA is the CPU's, and a bf16 run with checkpointing trains.
+    A LoRA student: the teacher's experts, causal while its adapters run, each with its own cache."""
+    lora = dict(student_lora_rank=4, student_config=None, student_init=None) if student == "lora" else {}
     for device in ("cpu", "cuda"):
         cfg = parse_config(
-            causal_args(world, tmp_path / device, device=device, teacher_dtype="float32", num_steps=1)
+            causal_args(world, tmp_path / device, device=device, teacher_dtype="float32", num_steps=1, **lora)
         )
         assert Distiller(cfg).run().steps == 1
     assert first_loss(tmp_path / "cuda") == pytest.approx(first_loss(tmp_path / "cpu"), rel=1e-3)
     bf16 = dict(teacher_dtype="bfloat16", mixed_precision="bf16", gradient_checkpointing=True)
     result = Distiller(
-        parse_config(causal_args(world, tmp_path / "bf16", device="cuda", num_steps=3, **bf16))
+        parse_config(causal_args(world, tmp_path / "bf16", device="cuda", num_steps=3, **bf16, **lora))
     ).run()
     assert result.steps == 3 and math.isfinite(result.last_loss)
+    assert (tmp_path / "bf16" / ("lora" if lora else "student") / "causal_config.json").is_file()
