@@ -29,9 +29,10 @@ training); the streaming sampler (distill/models/causal/streaming.py) runs one c
 
 A LoRA student is the teacher's own experts with the student's adapters on: `make_causal(expert,
 chunk, when=..., name="high")` (distill/models/causal/experts.py) makes an expert causal only while
-`when()` is true (the student's adapter active), so the same expert still attends over the whole clip as the teacher and the critic.
-Each expert keeps its own entries of a shared KV cache (`name` tells them apart), and a routed model
-(distill/models/lora.py: `routed_experts`) is causal through its experts.
+`when()` is true (the student's adapter active), so the same expert still attends over the whole
+clip as the teacher and the critic. Each expert keeps its own entries of a shared KV cache (`name`
+tells them apart), and a routed model (distill/models/lora.py: `routed_experts`) is causal through
+its experts.
 """
 
 from __future__ import annotations
