@@ -178,7 +178,7 @@ def test_a_checkpointed_rollout_holds_each_chunks_keys_once(tiny_teacher: Path) 
     """Until backward, each chunk's checkpointed exit step keeps the KV cache as it saw it. The
     snapshots share the chunks' tensors, so what the rollout holds grows with the chunks, not with the
     sum of their prefixes (a cache grown by concatenation held chunk 0 once per later chunk: 8 more
-    frames then cost 2.4x what the first 8 did)."""
+    frames then cost 2.1x what the first 8 did)."""
     from distill.ops.live_memory import LiveTensorMemory
 
     model = causal_expert(tiny_teacher).train()
