@@ -22,8 +22,10 @@ from distill.models.causal.streaming import stream_latents
 from distill.models.few_step import few_step_scheduler
 from distill.models.lora import CRITIC_ADAPTER, STUDENT_ADAPTER, LoraExperts, LoraShape, route
 from distill.models.lora_folder import read_lora_folder
-from distill.models.tiny import build_tiny_pipeline
+from distill.models.teacher import inspect_teacher
+from distill.models.tiny import build_tiny_pipeline, write_tiny_teacher
 from distill.ops.errors import DistillError
+from distill.sample.student_folder import load_lora_student
 from distill.train.trainer import Distiller
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -251,3 +253,50 @@ def test_what_a_causal_lora_student_cannot_do_is_refused_with_the_fix(
     assert "--method ode_init cannot train a causal LoRA student" in refused.value.title
     assert any("--method self_forcing" in fix for fix in refused.value.fixes)
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_ti2v_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from distill.models.teacher_kind import TI2V_5B
+
+    return write_tiny_teacher(tmp_path_factory.mktemp("ti2v") / "teacher", seed=0, kind=TI2V_5B)
+
+
+@pytest.mark.parametrize(
+    ("method", "kind"),
+    [("dmd", "t2v"), ("velocity", "t2v"), ("self_forcing", "ti2v"), ("ode_init", "ti2v")],
+)
+def test_every_method_trains_a_causal_lora_student_whose_export_is_causal(
+    method: str, kind: str, tiny_teacher: Path, tiny_ti2v_teacher: Path, tmp_path: Path
+) -> None:
+    """dmd and velocity train the causal LoRA student with one causal forward over the whole clip;
+    TI2V-5B (one transformer, no boundary) trains it by self_forcing and by ode_init too. Each run's
+    adapters move, and the student it trained and its lora/ loaded back are causal: the first chunk's
+    output does not see the last chunk's input, at a high-noise and a low-noise timestep."""
+    teacher = tiny_ti2v_teacher if kind == "ti2v" else tiny_teacher
+    overrides: dict[str, object] = {"method": method, "num_steps": 2, "student_init": None}
+    if method in ("velocity", "ode_init"):
+        overrides["critic_updates"] = None
+    if kind == "ti2v":  # 5 frames through its 16x VAE: 2 latent frames, chunks of 1
+        overrides.update(num_frames=5, guidance_scale=5.0)
+    distiller = Distiller(
+        parse_config(lora_causal_args(teacher, tmp_path / "out", tmp_path / "cache", **overrides))
+    )
+    result = distiller.run()
+    rows = [json.loads(x) for x in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r[k] for r in rows for k in ("loss", "critic_loss") if k in r]
+    assert losses and all(loss == loss for loss in losses)
+    lora = result.output_dir / "lora"
+    assert max(float(v.abs().max()) for k, v in adapters(lora).items() if "lora_B" in k) > 0
+    assert json.loads((lora / "causal_config.json").read_text())["chunk_frames"] == 1
+
+    info = inspect_teacher(str(teacher))
+    trained = distiller.lora.model(STUDENT_ADAPTER, info.boundary_ratio)
+    exported = load_lora_student(lora, info, torch.device("cpu"), torch.float32)[0]
+    generator = torch.Generator().manual_seed(0)
+    frames = 2 if kind == "ti2v" else FRAMES
+    x = torch.randn(1, info.expert_config["in_channels"], frames, 4, 4, generator=generator)
+    text = torch.randn(1, 8, info.expert_config["text_dim"], generator=generator)
+    for name, student in (("trained", trained.eval()), ("exported", exported.eval())):
+        for t in (950.0, 300.0):
+            assert first_chunk_moves(student, x, text, t) == 0.0, (name, t)
