@@ -182,6 +182,16 @@ def tiny_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def ti2v_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Wan 2.2 TI2V-5B teacher (seed 0: one transformer, the Wan2.2 VAE), built once per
+    session. Shared: copy it before changing anything in it."""
+    from distill.models.teacher_kind import TI2V_5B
+    from distill.models.tiny import write_tiny_teacher
+
+    return write_tiny_teacher(tmp_path_factory.mktemp("ti2v_teacher") / "teacher", seed=0, kind=TI2V_5B)
+
+
+@pytest.fixture(scope="session")
 def toy_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The trained toy Wan 2.2 teacher (assets/toy_teacher/, with toy_world.json), copied once per
     session. Shared: copy it before changing anything in it."""

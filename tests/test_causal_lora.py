@@ -23,7 +23,7 @@ from distill.models.few_step import few_step_scheduler
 from distill.models.lora import CRITIC_ADAPTER, STUDENT_ADAPTER, LoraExperts, LoraShape, route
 from distill.models.lora_folder import read_lora_folder
 from distill.models.teacher import inspect_teacher
-from distill.models.tiny import build_tiny_pipeline, write_tiny_teacher
+from distill.models.tiny import build_tiny_pipeline
 from distill.ops.errors import DistillError
 from distill.sample.student_folder import load_lora_student
 from distill.train.trainer import Distiller
@@ -255,25 +255,18 @@ def test_what_a_causal_lora_student_cannot_do_is_refused_with_the_fix(
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
 
 
-@pytest.fixture(scope="module")
-def tiny_ti2v_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from distill.models.teacher_kind import TI2V_5B
-
-    return write_tiny_teacher(tmp_path_factory.mktemp("ti2v") / "teacher", seed=0, kind=TI2V_5B)
-
-
 @pytest.mark.parametrize(
     ("method", "kind"),
     [("dmd", "t2v"), ("velocity", "t2v"), ("self_forcing", "ti2v"), ("ode_init", "ti2v")],
 )
 def test_every_method_trains_a_causal_lora_student_whose_export_is_causal(
-    method: str, kind: str, tiny_teacher: Path, tiny_ti2v_teacher: Path, tmp_path: Path
+    method: str, kind: str, tiny_teacher: Path, ti2v_teacher: Path, tmp_path: Path
 ) -> None:
     """dmd and velocity train the causal LoRA student with one causal forward over the whole clip;
     TI2V-5B (one transformer, no boundary) trains it by self_forcing and by ode_init too. Each run's
     adapters move, and the student it trained and its lora/ loaded back are causal: the first chunk's
     output does not see the last chunk's input, at a high-noise and a low-noise timestep."""
-    teacher = tiny_ti2v_teacher if kind == "ti2v" else tiny_teacher
+    teacher = ti2v_teacher if kind == "ti2v" else tiny_teacher
     overrides: dict[str, object] = {"method": method, "num_steps": 2, "student_init": None}
     if method in ("velocity", "ode_init"):
         overrides["critic_updates"] = None

@@ -21,7 +21,6 @@ from PIL import Image
 import download_wan
 from distill import doctor, generate
 from distill.models.teacher_kind import I2V_A14B, T2V_A14B, TI2V_5B, read_teacher_kind
-from distill.models.tiny import write_tiny_teacher
 from train_distillation import main as train
 
 KIND_TITLE = "this version distils Wan2.2-T2V-A14B (text to video) and Wan2.2-I2V-A14B (image to video) only"
@@ -34,11 +33,6 @@ def i2v_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("i2v") / "teacher"
     assert download_wan.main(["--tiny", str(folder), "--tiny_kind", "i2v"]) == 0
     return folder
-
-
-@pytest.fixture(scope="module")
-def ti2v_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_teacher(tmp_path_factory.mktemp("ti2v") / "teacher", seed=0, kind=TI2V_5B)
 
 
 @pytest.fixture

@@ -24,8 +24,6 @@ from distill.config.settings import TrainConfig
 from distill.models.lora import LoraShape, add_adapter
 from distill.models.student import build_student
 from distill.models.teacher import inspect_teacher
-from distill.models.teacher_kind import TI2V_5B
-from distill.models.tiny import write_tiny_teacher
 from distill.train.activations import (
     ModelUse,
     _measure,
@@ -49,11 +47,6 @@ from train_distillation import main
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL_48 = {**SMALL_EXPERT, "in_channels": 48, "out_channels": 48}
-
-
-@pytest.fixture(scope="module")
-def ti2v_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_teacher(tmp_path_factory.mktemp("ti2v-plan") / "teacher", seed=0, kind=TI2V_5B)
 
 
 @pytest.fixture(scope="module")
