@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=PathAction,
         kind=Kind.FOLDER,
         must_exist=False,
-        help="The exported student folder (OUTPUT/student; OUTPUT/lora for a LoRA run).",
+        help="The exported student folder (OUTPUT/student; OUTPUT/lora, or its OUTPUT/merged experts, "
+        "for a LoRA run).",
     )
     parser.add_argument(
         "--teacher_path",
@@ -244,6 +245,7 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
 
 def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     from distill.data.prompts import read_prompts
+    from distill.models.lora_files import is_merged_folder
     from distill.models.pipelines import check_sample_size, encode_prompts
     from distill.models.teacher import inspect_teacher, load_experts
     from distill.ops.output_dir import writable_folder
@@ -251,6 +253,7 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     from distill.report.toy_report import toy_prompt_count
     from distill.sample.student_folder import (
         load_lora_student,
+        load_merged_student,
         load_student,
         lora_student,
         pick_device,
@@ -337,6 +340,8 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     dtype = resolve_dtype(args.dtype, device)
     if adapters is not None:  # the teacher's own experts: loaded once, adapters on for the student
         student, high, low = load_lora_student(student_dir, info, device, dtype, adapters)
+    elif is_merged_folder(student_dir):  # the experts with the adapters merged in; the teacher's load below
+        student = load_merged_student(student_dir, info, device, dtype)
     else:
         student = load_student(student_dir, info, device, dtype)
     embeddings = encode_prompts(

@@ -63,7 +63,7 @@ from distill.config.flag_rules import (
 )
 from distill.models.causal.layout import read_causal_config
 from distill.models.few_step import renoising_from
-from distill.models.lora_files import is_lora_folder
+from distill.models.lora_files import is_lora_folder, is_merged_folder
 from distill.models.pipelines import (
     check_sample_size,
     preprocessed_images,
@@ -162,19 +162,23 @@ def check_counts(args: argparse.Namespace) -> None:
         )
 
 
-def generate_dependents(args: argparse.Namespace, two_experts: bool) -> tuple[Dependent, ...]:
-    """generate's flags that act only with another one (distill.config.flag_rules)."""
+def generate_dependents(
+    args: argparse.Namespace, two_experts: bool, teacher_experts: bool
+) -> tuple[Dependent, ...]:
+    """generate's flags that act only with another one (distill.config.flag_rules). `two_experts`:
+    the render runs two experts (the teacher's, a LoRA student's, or a LoRA run's merged ones);
+    `teacher_experts`: they are the teacher's own, which the teacher's LoRAs can be fused into."""
     return (
         Dependent(
             ("guidance_2",),
             lambda _: two_experts,
-            "--teacher_only or a LoRA student (OUTPUT/lora)",
+            "--teacher_only or a LoRA student (OUTPUT/lora or OUTPUT/merged)",
             "it is the guidance of the teacher's low-noise expert (transformer_2); a distilled student is "
             "one model, sampled with --guidance alone",
             "use --guidance for this student",
             off={"guidance_2": 1.0},  # no guidance: what a one-model student samples with anyway
         ),
-        teacher_lora_rule(two_experts, "--teacher_only or a LoRA student (OUTPUT/lora)"),
+        teacher_lora_rule(teacher_experts, "--teacher_only or a LoRA student (OUTPUT/lora)"),
         Dependent(
             ("negative_prompt",),
             lambda a: a.guidance > 1.0,
@@ -199,10 +203,11 @@ def one_transformer_guidance(args: argparse.Namespace, info: TeacherInfo, given:
 
 def check_flags(args: argparse.Namespace, given: dict[str, str]) -> None:
     """Guidance that would not be applied as given, and flags this render would ignore: refused."""
-    two_experts = args.teacher_only or is_lora_folder(args.student)
+    teacher_experts = args.teacher_only or is_lora_folder(args.student)
+    two_experts = teacher_experts or is_merged_folder(args.student)
     second = ("--guidance_2", args.guidance_2) if two_experts and args.guidance_2 is not None else None
     check_guidance(("--guidance", args.guidance), second)
-    check_dependents(args, given, (*generate_dependents(args, two_experts), *stream_rules()))
+    check_dependents(args, given, (*generate_dependents(args, two_experts, teacher_experts), *stream_rules()))
 
 
 def path_flags(args: argparse.Namespace) -> list[PathFlag]:
@@ -366,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=PathAction,
         kind=Kind.FOLDER,
         must_exist=False,
-        help="The exported student folder (OUTPUT/student or OUTPUT/student_ema; OUTPUT/lora for a LoRA run).",
+        help="The exported student folder (OUTPUT/student or OUTPUT/student_ema; OUTPUT/lora, or its "
+        "OUTPUT/merged experts, for a LoRA run).",
     )
     run = "default: the student's run_settings.json, else"
     parser.add_argument(

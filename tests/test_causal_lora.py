@@ -25,7 +25,7 @@ from distill.models.lora_folder import read_lora_folder
 from distill.models.teacher import inspect_teacher
 from distill.models.tiny import build_tiny_pipeline
 from distill.ops.errors import DistillError
-from distill.sample.student_folder import load_lora_student
+from distill.sample.student_folder import load_lora_student, load_merged_student
 from distill.train.trainer import Distiller
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -165,7 +165,11 @@ def test_a_causal_lora_student_trains_by_self_forcing_resumes_bitwise_and_stream
 ) -> None:
     cache = tmp_path / "cache"
     common = dict(checkpoint_every=2, ema_decay=0.9)
-    straight = run(lora_causal_args(tiny_teacher, tmp_path / "straight", cache, **common))
+    straight = run(
+        lora_causal_args(
+            tiny_teacher, tmp_path / "straight", cache, export_formats="diffusers,merged", **common
+        )
+    )
     rows = [json.loads(x) for x in (straight.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(r["critic_loss"] == r["critic_loss"] for r in rows)
     lora = straight.output_dir / "lora"
@@ -187,15 +191,16 @@ def test_a_causal_lora_student_trains_by_self_forcing_resumes_bitwise_and_stream
     assert json.loads((lora / "causal_config.json").read_text())["chunk_frames"] == 1
     card = (lora / "README.md").read_text()
     assert "It is causal" in card and "ComfyUI apply the adapters" in card
-    video = tmp_path / "stream"
-    code = generate.main(
-        [
-            *("--student", str(lora), "--teacher_path", str(tiny_teacher), "--stream"),
-            *("--height", "32", "--width", "32", "--num_frames", "33", "--prompt", "a red ball"),
-            *("--output", str(video)),
-        ]
-    )
-    assert code == 0 and imageio.get_reader(video.with_suffix(".mp4")).count_frames() == 33
+    for folder in ("lora", "merged"):  # merged/: the experts with the adapters in, causal each
+        video = tmp_path / f"stream_{folder}"
+        code = generate.main(
+            [
+                *("--student", str(straight.output_dir / folder), "--teacher_path", str(tiny_teacher)),
+                *("--stream", "--height", "32", "--width", "32", "--num_frames", "33"),
+                *("--prompt", "a red ball", "--output", str(video)),
+            ]
+        )
+        assert code == 0 and imageio.get_reader(video.with_suffix(".mp4")).count_frames() == 33, folder
     # Without --stream the stock pipeline renders it whole (the adapters as diffusers loads them), and says so.
     whole = tmp_path / "whole"
     code = generate.main(
@@ -214,7 +219,7 @@ def test_a_bidirectional_lora_student_learns_by_ode_init_and_is_not_streamed(
 ) -> None:
     """ode_init gives every frame its chunk's timestep (one per token); a bidirectional LoRA student's
     frames share one, and the router sends each sample whole to its expert. Its lora/ folder has
-    nothing to stream: --stream says so and how to train one that does."""
+    nothing to stream, nor has its merged/: --stream says so and how to train one that does."""
     args = lora_causal_args(
         tiny_teacher,
         tmp_path / "ode",
@@ -222,24 +227,25 @@ def test_a_bidirectional_lora_student_learns_by_ode_init_and_is_not_streamed(
         method="ode_init",
         student_chunk_frames=None,
         critic_updates=None,
+        export_formats="diffusers,merged",
     )
     result = run(args)
     rows = [json.loads(x) for x in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 4 and all(loss == loss for loss in losses)
-    lora = result.output_dir / "lora"
-    assert not (lora / "causal_config.json").exists()
-    code = generate.main(
-        [
-            *("--student", str(lora), "--teacher_path", str(tiny_teacher), "--stream"),
-            *("--height", "32", "--width", "32", "--num_frames", "9", "--prompt", "a red ball"),
-            *("--output", str(tmp_path / "never")),
-        ]
-    )
-    err = capsys.readouterr().err
-    assert code != 0 and "holds the adapters of a bidirectional LoRA student" in err
-    assert "--student_chunk_frames 3 and --method self_forcing" in err
-    assert not list(tmp_path.glob("never*"))
+    for folder, holds in (("lora", "adapters"), ("merged", "merged experts")):
+        assert not (result.output_dir / folder / "causal_config.json").exists()
+        code = generate.main(
+            [
+                *("--student", str(result.output_dir / folder), "--teacher_path", str(tiny_teacher)),
+                *("--stream", "--height", "32", "--width", "32", "--num_frames", "9"),
+                *("--prompt", "a red ball", "--output", str(tmp_path / "never")),
+            ]
+        )
+        err = capsys.readouterr().err
+        assert code != 0 and f"holds the {holds} of a bidirectional LoRA student" in err, folder
+        assert "--student_chunk_frames 3 and --method self_forcing" in err
+        assert not list(tmp_path.glob("never*"))
 
 
 def test_what_a_causal_lora_student_cannot_do_is_refused_with_the_fix(
@@ -264,10 +270,16 @@ def test_every_method_trains_a_causal_lora_student_whose_export_is_causal(
 ) -> None:
     """dmd and velocity train the causal LoRA student with one causal forward over the whole clip;
     TI2V-5B (one transformer, no boundary) trains it by self_forcing and by ode_init too. Each run's
-    adapters move, and the student it trained and its lora/ loaded back are causal: the first chunk's
-    output does not see the last chunk's input, at a high-noise and a low-noise timestep."""
+    adapters move, and the student it trained, its lora/ loaded back and its merged/ experts are
+    causal: the first chunk's output does not see the last chunk's input, at a high-noise and a
+    low-noise timestep. merged/ streams what lora/ streams."""
     teacher = ti2v_teacher if kind == "ti2v" else tiny_teacher
-    overrides: dict[str, object] = {"method": method, "num_steps": 2, "student_init": None}
+    overrides: dict[str, object] = {
+        "method": method,
+        "num_steps": 2,
+        "student_init": None,
+        "export_formats": "diffusers,merged",
+    }
     if method in ("velocity", "ode_init"):
         overrides["critic_updates"] = None
     if kind == "ti2v":  # 5 frames through its 16x VAE: 2 latent frames, chunks of 1
@@ -283,13 +295,35 @@ def test_every_method_trains_a_causal_lora_student_whose_export_is_causal(
     assert max(float(v.abs().max()) for k, v in adapters(lora).items() if "lora_B" in k) > 0
     assert json.loads((lora / "causal_config.json").read_text())["chunk_frames"] == 1
 
+    merged = result.output_dir / "merged"
+    subfolders = ("transformer",) if kind == "ti2v" else ("transformer", "transformer_2")
+    for folder in (merged, *(merged / name for name in subfolders)):
+        assert json.loads((folder / "causal_config.json").read_text())["chunk_frames"] == 1, folder
+
     info = inspect_teacher(str(teacher))
+    cpu = torch.device("cpu")
     trained = distiller.lora.model(STUDENT_ADAPTER, info.boundary_ratio)
-    exported = load_lora_student(lora, info, torch.device("cpu"), torch.float32)[0]
+    exported = load_lora_student(lora, info, cpu, torch.float32)[0]
+    as_merged = load_merged_student(merged, info, cpu, torch.float32)
     generator = torch.Generator().manual_seed(0)
     frames = 2 if kind == "ti2v" else FRAMES
     x = torch.randn(1, info.expert_config["in_channels"], frames, 4, 4, generator=generator)
     text = torch.randn(1, 8, info.expert_config["text_dim"], generator=generator)
-    for name, student in (("trained", trained.eval()), ("exported", exported.eval())):
+    for name, student in (("trained", trained.eval()), ("exported", exported), ("merged", as_merged)):
         for t in (950.0, 300.0):
             assert first_chunk_moves(student, x, text, t) == 0.0, (name, t)
+    # Each merged expert keeps its own keys in the KV cache, as the adapters' experts do (measured: 5e-7 apart).
+    shape = (info.expert_config["in_channels"], frames, 4, 4)
+    streamed = [
+        torch.cat(
+            [
+                c.latents
+                for c in stream_latents(
+                    model, few_step_scheduler(5.0), 4, text, shape, seed=3, kind=info.kind
+                )
+            ],
+            dim=2,
+        )
+        for model in (exported.eval(), as_merged)
+    ]
+    torch.testing.assert_close(streamed[1], streamed[0], rtol=1e-5, atol=1e-5)

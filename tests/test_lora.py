@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import A14B_EXPERT, REPO, preempt_then_finish, train_args
@@ -29,7 +30,9 @@ from distill.models.lora_files import (
     write_lora_folder,
 )
 from distill.models.lora_folder import read_lora_folder
+from distill.models.teacher import inspect_teacher
 from distill.models.tiny import build_tiny_pipeline
+from distill.sample.student_folder import load_lora_student, load_merged_student
 from distill.train.trainer import Distiller
 from train_distillation import main
 
@@ -319,6 +322,36 @@ def test_the_card_generate_and_evaluate_take_a_lora_folder(tiny_teacher, tmp_pat
     assert report["cost"]["student"]["forwards_per_sample"] == 4  # K steps, one forward each
     teacher = report["cost"]["teacher"]  # the same experts with adapters off: two forwards per step (CFG)
     assert teacher["forwards_per_sample"] == 2 * teacher["steps"]
+
+    # merged/ is the same student as standalone experts: generate and evaluate take it as they take lora/.
+    merged = result.output_dir / "merged"
+    info = inspect_teacher(str(tiny_teacher))
+    cpu = torch.device("cpu")
+    as_lora, teacher_high, _ = load_lora_student(result.student_dir, info, cpu, torch.float32)
+    as_merged = load_merged_student(merged, info, cpu, torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    x, text = torch.randn(1, 16, 1, 4, 4, generator=generator), torch.randn(1, 8, 32, generator=generator)
+    with torch.no_grad():
+        ours, theirs, bare = (
+            model(
+                hidden_states=x, timestep=torch.tensor([950.0]), encoder_hidden_states=text, return_dict=False
+            )[0]
+            for model in (as_lora, as_merged, teacher_high)
+        )
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)  # measured: 5e-7 apart
+    assert float((ours - bare).abs().max()) > 1e-3  # the trained adapters, not the teacher (0.016)
+    merged_image = tmp_path / "fox_merged.png"
+    assert (
+        generate.main(["--student", str(merged), "--prompt", "a red fox", "--output", str(merged_image)]) == 0
+    )
+    ours, theirs = (np.asarray(Image.open(p), dtype=np.int16) for p in (image, merged_image))
+    assert np.abs(ours - theirs).max() <= 1  # W + BA against W x + B A x: rounding apart
+    argv[1] = str(merged)
+    out = tmp_path / "eval_merged"
+    assert evaluate.main([*argv, "--output_dir", str(out), "--max_prompts", "2", "--num_buckets", "2"]) == 0
+    again = json.loads((out / "eval.json").read_text())
+    assert again["denoiser"]["mse"] == pytest.approx(report["denoiser"]["mse"], rel=1e-3)
+    assert again["sampler"]["latent_mse"] == pytest.approx(report["sampler"]["latent_mse"], rel=1e-3)
 
 
 @pytest.mark.parametrize(

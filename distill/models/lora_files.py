@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from distill.models.causal.layout import CausalLayout, write_causal_config
 from distill.models.lora import LoraShape
 from distill.models.original.keymaps import transformer_to_original
 from distill.models.teacher_kind import TeacherKind
@@ -33,6 +34,8 @@ FILES = {"high": "high_noise_lora.safetensors", "low": "low_noise_lora.safetenso
 ONE_FILE = {"high": "lora.safetensors"}
 WAN_FORMAT_DIR = "comfyui"
 LORA_SUFFIXES = {"lora_A": "lora_down", "lora_B": "lora_up"}
+# merged/: where each expert with the adapters merged in is written (the teacher's own subfolders).
+MERGED_SUBFOLDERS = {"high": "transformer", "low": "transformer_2"}
 # The key under which a LoRA folder records its teacher's model (TeacherKind.name): in
 # adapter_config.json and in the Wan-format files' metadata.
 KIND_KEY = "teacher_kind"
@@ -176,6 +179,17 @@ def is_lora_folder(folder: str | Path) -> bool:
     )
 
 
+def is_merged_folder(folder: str | Path) -> bool:
+    """Whether `folder` is a LoRA run's merged/ export: the experts with the adapters merged in, each
+    a standalone diffusers model in its own subfolder (and no LoRA file, no config.json of its own)."""
+    folder = Path(folder)
+    return (
+        (folder / MERGED_SUBFOLDERS["high"] / "config.json").is_file()
+        and not (folder / "config.json").is_file()
+        and not is_lora_folder(folder)
+    )
+
+
 def merged_state(expert: torch.nn.Module, adapter: str, keep: bool = True) -> dict[str, torch.Tensor]:
     """The expert's weights with adapter `adapter` added in (W + scale B A), in its own key names.
 
@@ -210,18 +224,21 @@ def write_merged_experts(
     adapter: str,
     out_dir: str | Path,
     states: Mapping[str, dict[str, torch.Tensor]] | None = None,
+    causal: CausalLayout | None = None,
 ) -> Path:
     """`out_dir`/transformer and `out_dir`/transformer_2: both experts with the adapter merged in, as
     standalone diffusers models (for users who want no adapters at all); `out_dir`/transformer alone
     for a teacher with one transformer (`experts` without "low"). Staged and renamed.
-    `states`: the merged weights when already gathered (`merged_state`, sharded experts)."""
+    `states`: the merged weights when already gathered (`merged_state`, sharded experts).
+    `causal`: a causal LoRA student's layout, recorded in `out_dir` and beside each expert's config
+    (causal_config.json), so each loads causal again and the folder streams."""
     from huggingface_hub import save_torch_state_dict
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_folder(out_dir)
     try:
-        for which, subfolder in (("high", "transformer"), ("low", "transformer_2")):
+        for which, subfolder in MERGED_SUBFOLDERS.items():
             expert = experts.get(which)
             if expert is None:  # the one transformer of TI2V-5B: no transformer_2
                 continue
@@ -233,6 +250,10 @@ def write_merged_experts(
                 filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
             )
             expert.save_config(target)
+            if causal is not None:
+                write_causal_config(target, causal)
+        if causal is not None:
+            write_causal_config(staging, causal)
         swap_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

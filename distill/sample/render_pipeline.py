@@ -1,5 +1,6 @@
 """The pipeline `generate` renders with: the teacher's stock pipeline with its shared components and
-the student, a LoRA folder's adapters on the teacher, or the teacher alone (--teacher_only).
+the student, a LoRA folder's adapters on the teacher, a LoRA run's merged experts in the teacher's
+place, or the teacher alone (--teacher_only).
 
     from distill.sample.render_pipeline import build_pipeline
 """
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from distill.models.lora_files import is_lora_folder, lora_files
+from distill.models.lora_files import is_lora_folder, is_merged_folder, lora_files
 from distill.models.pipelines import (
     load_scheduler,
     load_text_components,
@@ -24,7 +25,7 @@ from distill.models.pipelines import (
 from distill.models.teacher import TeacherInfo
 from distill.ops.errors import DistillError, Stage
 from distill.sample.run_settings import RunSettings
-from distill.sample.student_folder import load_student
+from distill.sample.student_folder import load_merged_student, load_student
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,11 @@ def build_pipeline(
     from distill.models.teacher import load_experts
 
     lora = not args.teacher_only and is_lora_folder(args.student)
-    if not args.teacher_only and not lora:
-        student = load_student(args.student, info, device, dtype)  # first: a bad --student fails fast
+    merged = not args.teacher_only and is_merged_folder(args.student)
+    if merged:  # first: a bad --student fails fast
+        high, low = load_merged_student(args.student, info, device, dtype).sampling_experts()
+    elif not args.teacher_only and not lora:
+        student = load_student(args.student, info, device, dtype)
     tokenizer, text_encoder = load_text_components(info.path, device, dtype)
     shared = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": load_vae(info.path, device)}
     if args.teacher_only or lora:
@@ -85,4 +89,6 @@ def build_pipeline(
     if lora:
         pipe.scheduler = scheduler
         return pipe
+    if merged:  # the merged experts where the teacher's were, switched at its boundary
+        return teacher_pipeline(high, low, info.boundary_ratio, scheduler, info.kind, image=image, **shared)
     return student_pipeline(student, scheduler, info.kind, image=image, **shared)

@@ -13,7 +13,9 @@ its KV cache, older ones are dropped. An image-to-video student streams too: its
 first chunk, as the whole clip's condition does for the bidirectional student.
 
 A causal LoRA student's folder (lora/: causal_config.json beside the adapters) streams too: the
-teacher's experts with its adapters, each expert keeping its own KV cache.
+teacher's experts with its adapters, each expert keeping its own KV cache; and so does its run's
+merged/ export (the experts with the adapters merged in: causal_config.json in merged/ and beside
+each expert's config).
 
 Refused, with the fix: a student that is not causal (or --teacher_only, or a bidirectional LoRA run's
 folder), a frame count that is not whole chunks (the counts that are are named), guidance above 1 (the causal
@@ -36,7 +38,7 @@ import torch
 
 from distill.config.flag_rules import Dependent
 from distill.models.causal.layout import CAUSAL_FILE, CausalLayout, read_causal_config
-from distill.models.lora_files import is_lora_folder
+from distill.models.lora_files import is_lora_folder, is_merged_folder
 from distill.models.teacher import TeacherInfo
 from distill.ops.command import integer
 from distill.ops.errors import DistillError, Stage
@@ -97,15 +99,16 @@ def check_stream(args: argparse.Namespace, info: TeacherInfo) -> CausalLayout:
             stage=Stage.CONFIG,
         )
     layout = read_causal_config(args.student)
-    if layout is None and is_lora_folder(args.student):
+    if layout is None and (is_lora_folder(args.student) or is_merged_folder(args.student)):
+        what = "adapters" if is_lora_folder(args.student) else "merged experts"
         raise DistillError(
-            f"--stream needs a causal student: {args.student} holds the adapters of a bidirectional "
+            f"--stream needs a causal student: {args.student} holds the {what} of a bidirectional "
             f"LoRA student (no {CAUSAL_FILE})",
             "its experts attend over the whole clip at once, so no frame is final before the last step "
             "of the whole clip",
             fixes=[
                 "train a causal LoRA student (--student_lora_rank with --student_chunk_frames 3 and "
-                "--method self_forcing: docs/streaming.md); its lora/ folder streams",
+                "--method self_forcing: docs/streaming.md); its lora/ (and merged/) folder streams",
                 "or drop --stream to sample it whole",
             ],
             stage=Stage.CONFIG,
@@ -322,10 +325,12 @@ def build_streamer(
     encoder loaded for that and freed before any clip streams)."""
     from distill.models.few_step import few_step_scheduler, load_few_step_scheduler
     from distill.models.pipelines import encode_prompts, load_vae, scheduler_from_config
-    from distill.sample.student_folder import load_lora_student, load_student
+    from distill.sample.student_folder import load_lora_student, load_merged_student, load_student
 
     if is_lora_folder(args.student):  # the teacher's experts, causal while the student's adapters run
         student, _, _ = load_lora_student(args.student, info, device, dtype)
+    elif is_merged_folder(args.student):  # the merged experts, each causal with its own KV cache
+        student = load_merged_student(args.student, info, device, dtype)
     else:
         student = load_student(args.student, info, device, dtype)
     if run is not None and run.scheduler:

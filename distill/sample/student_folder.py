@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from distill.models.lora_files import is_lora_folder
+from distill.models.lora_files import MERGED_SUBFOLDERS, is_lora_folder, is_merged_folder
 from distill.models.lora_folder import LoraFolder
 from distill.models.pipelines import (
     SizeLimits,
@@ -51,10 +51,17 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dtype: torch.dtype) -> Any:
+def load_student(
+    folder: str | Path,
+    info: TeacherInfo,
+    device: torch.device,
+    dtype: torch.dtype,
+    causal_name: str | None = None,
+) -> Any:
     """The exported student, checked against the teacher's model (a student of another Wan 2.2 model
     is refused naming both) and its latent and text spaces; causal again when its folder records a
-    chunk size (causal_config.json, distill/models/causal)."""
+    chunk size (causal_config.json, distill/models/causal). `causal_name`: its own entries in a KV
+    cache shared with another causal model (each expert of merged experts)."""
     from diffusers import WanTransformer3DModel
 
     from distill.models.causal.attention import make_causal
@@ -92,8 +99,37 @@ def load_student(folder: str | Path, info: TeacherInfo, device: torch.device, dt
             stage=Stage.CONFIG,
         )
     if layout is not None:
-        make_causal(student, layout.chunk_frames)
+        make_causal(student, layout.chunk_frames, name=causal_name)
     return student.requires_grad_(False).eval().to(device)
+
+
+def load_merged_student(
+    folder: str | Path, info: TeacherInfo, device: torch.device, dtype: torch.dtype
+) -> Any:
+    """A LoRA run's merged/ export (the experts with the student's adapters merged in) as one model
+    routed by timestep, as the LoRA student itself runs: each expert checked against the teacher as
+    a student is, and causal again when its subfolder records a chunk size (a causal LoRA student's),
+    each with its own entries in the KV cache."""
+    from distill.models.lora import ExpertCopies
+
+    folder = Path(folder)
+    subfolders = MERGED_SUBFOLDERS if info.kind.experts == 2 else {"high": MERGED_SUBFOLDERS["high"]}
+    missing = [name for name in subfolders.values() if not (folder / name / "config.json").is_file()]
+    if missing:
+        raise DistillError(
+            f"--student {folder}: merged experts without {', '.join(missing)}",
+            f"this teacher ({info.kind.model}) has {info.kind.experts} expert(s): "
+            f"{', '.join(subfolders.values())}",
+            causes=["merged/ of another teacher's run", "an interrupted copy of the folder"],
+            fixes=["pass the merged/ folder (or the lora/ folder) of a LoRA run on this teacher"],
+            stage=Stage.CONFIG,
+        )
+    experts = {
+        which: load_student(folder / name, info, device, dtype, causal_name=which)
+        for which, name in subfolders.items()
+    }
+    model = ExpertCopies(experts["high"], experts.get("low"), info.boundary_ratio)
+    return model.requires_grad_(False).eval()
 
 
 def lora_student(folder: str | Path, info: TeacherInfo) -> LoraFolder | None:
@@ -150,7 +186,7 @@ def require_student_folder(folder: str | Path, teacher_only: bool = True) -> Pat
     `teacher_only`: whether the command has --teacher_only to offer as a way out.
     """
     folder = Path(folder)
-    if (folder / "config.json").is_file() or is_lora_folder(folder):
+    if (folder / "config.json").is_file() or is_lora_folder(folder) or is_merged_folder(folder):
         return folder
     if folder.is_dir():
         found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
@@ -184,6 +220,9 @@ def student_limits(folder: str | Path, info: TeacherInfo) -> SizeLimits:
         return SizeLimits.of(
             "student (LoRA on the teacher)", info.expert_config, info.path / "transformer" / "config.json"
         )
+    if is_merged_folder(folder):
+        config_file = Path(folder) / MERGED_SUBFOLDERS["high"] / "config.json"
+        return SizeLimits.of("student (merged experts)", _read_config(config_file), config_file)
     config_file = require_student_folder(folder) / "config.json"
     config = _read_config(config_file)
     check_student_kind(config, info, config_file.parent)

@@ -198,8 +198,8 @@ def write_adapters(loop: TrainingLoop, student: AdapterModel) -> tuple[Path, Pat
 
 
 def export_merged(loop: TrainingLoop, student: AdapterModel) -> None:
-    """merged/: the experts with the (EMA, when kept) adapters added in. Every rank gathers a sharded
-    expert's weights; rank 0 keeps and writes them."""
+    """merged/: the experts with the (EMA, when kept) adapters added in, recording the chunk size of a
+    causal LoRA student. Every rank gathers a sharded expert's weights; rank 0 keeps and writes them."""
     params = list(student.parameters())
     if loop.ema is not None:
         loop.ema.store(params)
@@ -212,7 +212,9 @@ def export_merged(loop: TrainingLoop, student: AdapterModel) -> None:
         }
         if loop.ctx.is_main:
             with exporting(loop.output_dir / "merged", loop):
-                merged = write_merged_experts(experts, student.adapter, loop.output_dir / "merged", states)
+                merged = write_merged_experts(
+                    experts, student.adapter, loop.output_dir / "merged", states, causal_layout(student)
+                )
             logger.info("the experts with the adapters merged in: %s", merged)
     finally:
         if loop.ema is not None:
