@@ -293,6 +293,7 @@ def test_a_preempted_lora_run_under_bf16_autocast_resumes_to_the_same_adapters(
 def test_the_card_generate_and_evaluate_take_a_lora_folder(tiny_teacher, tmp_path, monkeypatch):
     import re
 
+    from diffusers import WanPipeline
     from PIL import Image
 
     from distill import evaluate, generate
@@ -340,6 +341,26 @@ def test_the_card_generate_and_evaluate_take_a_lora_folder(tiny_teacher, tmp_pat
         )
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)  # measured: 5e-7 apart
     assert float((ours - bare).abs().max()) > 1e-3  # the trained adapters, not the teacher (0.016)
+    # ... and a folder stock WanPipeline loads as it is: those experts, the teacher's boundary, the run's sampler.
+    stock = WanPipeline.from_pretrained(str(merged))
+    assert stock.config.boundary_ratio == info.boundary_ratio
+    for loaded, expert in ((stock.transformer, as_merged.high), (stock.transformer_2, as_merged.low)):
+        state = expert.state_dict()
+        assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
+    sampler = json.loads((result.student_dir / "scheduler_config.json").read_text())
+    assert type(stock.scheduler).__name__ == sampler["_class_name"]
+    assert stock.scheduler.config.shift == sampler["shift"]
+    frames = stock(
+        "a red fox",
+        height=32,
+        width=32,
+        num_frames=1,
+        num_inference_steps=4,
+        guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).frames[0]
+    assert frames.shape == (1, 32, 32, 3) and np.isfinite(frames).all()
     merged_image = tmp_path / "fox_merged.png"
     assert (
         generate.main(["--student", str(merged), "--prompt", "a red fox", "--output", str(merged_image)]) == 0

@@ -2,8 +2,8 @@
 `WanImageToVideoPipeline` for an image-to-video teacher, or the one of a TI2V-5B run's mode) loads
 with `from_pretrained` as it is,
 holding the student as its transformer and links to the teacher's text encoder, tokenizer and VAE,
-so nothing of the teacher is copied. The same links make a LoRA run's merged/ experts of an
-image-to-video teacher a pipeline folder too."""
+so nothing of the teacher is copied. The same links make a LoRA run's merged/ experts a pipeline
+folder too."""
 
 from __future__ import annotations
 

@@ -162,8 +162,8 @@ def export_lora(loop: TrainingLoop, student: AdapterModel) -> tuple[Path | None,
             "the one transformer" if settings.one_transformer else "both experts",
             lora_dir,
         )
-        if settings.takes_image and "merged" in loop.cfg.export_formats.split(","):
-            merged_pipeline(loop, settings.pipeline_class, settings.scheduler)
+        if "merged" in loop.cfg.export_formats.split(","):
+            merged_pipeline(loop, settings.pipeline_class, settings.scheduler, settings.takes_image)
     dist_utils.barrier()
     return lora_dir, ema_dir
 
@@ -221,10 +221,12 @@ def export_merged(loop: TrainingLoop, student: AdapterModel) -> None:
             loop.ema.restore(params)
 
 
-def merged_pipeline(loop: TrainingLoop, pipeline_class: str, scheduler: dict[str, Any] | None) -> None:
-    """merged/ of an image-to-video teacher as a folder its pipeline class loads (rank 0): the
-    teacher's model_index.json and links to its text encoder, tokenizer and VAE beside the experts,
-    so nothing else is needed to turn an image into a video with them."""
+def merged_pipeline(
+    loop: TrainingLoop, pipeline_class: str, scheduler: dict[str, Any] | None, takes_image: bool
+) -> None:
+    """merged/ as a folder the run's pipeline class loads (rank 0): the teacher's model_index.json
+    and links to its text encoder, tokenizer and VAE beside the experts, and the run's own
+    scheduler, so nothing else is needed to sample with them."""
     from distill.sample.pipeline_folder import make_pipeline_of_experts
 
     folder = loop.output_dir / "merged"
@@ -234,10 +236,10 @@ def merged_pipeline(loop: TrainingLoop, pipeline_class: str, scheduler: dict[str
         logger.warning("merged/ holds the experts only: %s", exc.title)
         return
     logger.info(
-        "%s.from_pretrained(%r) loads the merged experts with the teacher's text encoder and VAE "
-        "(pass image=, the first frame)",
+        "%s.from_pretrained(%r) loads the merged experts with the teacher's text encoder and VAE%s",
         pipeline_class,
         str(folder),
+        " (pass image=, the first frame)" if takes_image else "",
     )
 
 
