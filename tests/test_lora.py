@@ -350,17 +350,13 @@ def test_the_card_generate_and_evaluate_take_a_lora_folder(tiny_teacher, tmp_pat
     sampler = json.loads((result.student_dir / "scheduler_config.json").read_text())
     assert type(stock.scheduler).__name__ == sampler["_class_name"]
     assert stock.scheduler.config.shift == sampler["shift"]
-    frames = stock(
-        "a red fox",
-        height=32,
-        width=32,
-        num_frames=1,
-        num_inference_steps=4,
-        guidance_scale=1.0,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-    ).frames[0]
-    assert frames.shape == (1, 32, 32, 3) and np.isfinite(frames).all()
+    # Its card's code runs as written and draws what the lora/ card's code drew.
+    drawn_with_adapters = np.asarray(Image.open(tmp_path / "sample.png"), dtype=np.int16)
+    card = (merged / "README.md").read_text()
+    assert "adapters merged into both experts" in card and "WanPipeline.from_pretrained" in card
+    exec(re.search(r"```python\n(.*?)```", card, re.S).group(1), {"__name__": "card"})
+    drawn_merged = np.asarray(Image.open(tmp_path / "sample.png"), dtype=np.int16)
+    assert np.abs(drawn_merged - drawn_with_adapters).max() <= 1
     merged_image = tmp_path / "fox_merged.png"
     assert (
         generate.main(["--student", str(merged), "--prompt", "a red fox", "--output", str(merged_image)]) == 0

@@ -95,8 +95,9 @@ def card_metadata(settings: RunSettings) -> Any:
 def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
     """The Python that samples this student correctly; runs as it is (the card's test runs it).
 
-    `kind` is "transformer" (a student/ folder: the pipeline is assembled from the teacher) or
-    "pipeline" (a pipeline/ folder that loads with WanPipeline.from_pretrained alone).
+    `kind` is "transformer" (a student/ folder: the pipeline is assembled from the teacher),
+    "pipeline" (a pipeline/ folder that loads with WanPipeline.from_pretrained alone), "lora" (the
+    adapters, loaded onto the teacher) or "merged" (a LoRA run's merged/ pipeline folder).
     """
     pipeline = settings.pipeline_class
     lines = [
@@ -108,7 +109,7 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
         "",
         "dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32",
     ]
-    if kind == "pipeline":
+    if kind in ("pipeline", "merged"):
         lines += [
             "# this folder: its path here, or the hub id it was uploaded to",
             f"pipe = {pipeline}.from_pretrained({folder_ref!r}, torch_dtype=dtype)",
@@ -145,7 +146,7 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
         ]
     if kind == "lora":
         lines += _user_adapter_lines(settings)
-    if settings.scheduler and kind != "pipeline":  # the pipeline/ folder already holds it
+    if settings.scheduler and kind not in ("pipeline", "merged"):  # a pipeline folder already holds it
         name = settings.scheduler["_class_name"]
         config = {k: v for k, v in settings.scheduler.items() if not k.startswith("_")}
         lines += [
@@ -310,7 +311,11 @@ def model_card_text(
         f"the teacher's scheduler{' ' + settings.scheduler['_class_name'] if settings.scheduler else ''} "
         f"with {settings.num_inference_steps} steps (more steps follow the teacher more closely, fewer are faster)"
     )
-    what = {"pipeline": "pipeline folder", "lora": "LoRA adapters"}.get(kind, "transformer")
+    what = {
+        "pipeline": "pipeline folder",
+        "lora": "LoRA adapters",
+        "merged": "LoRA adapters merged into the experts",
+    }.get(kind, "transformer")
     if kind == "lora" and settings.one_transformer:
         about = [
             f"A LoRA adapter for the one transformer of `{teacher}` ({settings.method} distillation, "
@@ -327,6 +332,15 @@ def model_card_text(
             "Wan key names (`diffusion_model.blocks.N.self_attn.q.lora_down.weight`, with `.alpha`) for ComfyUI",
             "and other Wan-format tools; load the high-noise file on the high-noise model, the low-noise file",
             "on the low-noise model, at strength 1.",
+        ]
+    elif kind == "merged":
+        experts = "the one transformer" if settings.one_transformer else "both experts"
+        about = [
+            f"The LoRA student of `{teacher}` ({settings.method} distillation, {settings.trained_steps} "
+            f"optimizer steps) with its adapters merged into {experts}: standalone",
+            "`WanTransformer3DModel` weights, one forward per step and no classifier-free guidance at sampling",
+            f"time. A pipeline folder: `{settings.pipeline_class}.from_pretrained` loads it with the teacher's text",
+            "encoder, tokenizer and VAE (links to the teacher's folders) and the run's own scheduler.",
         ]
     else:
         about = [
@@ -449,10 +463,12 @@ def document_export(
     ema_dir: Path | None = None,
     pipeline_dir: Path | None = None,
     student_kind: str = "transformer",
+    merged_dir: Path | None = None,
 ) -> list[Path]:
     """run_settings.json beside and inside every exported folder, and a model card in each of them.
 
-    The pipeline/ folder runs the EMA student when there is one (as the trainer links it).
+    The pipeline/ folder runs the EMA student when there is one (as the trainer links it), and so
+    does a LoRA run's merged/ pipeline folder (the EMA adapters merged in when there are some).
     `student_kind` is "lora" when the student folders hold adapters.
     """
     output_dir = Path(output_dir)
@@ -460,6 +476,7 @@ def document_export(
         (student_dir, student_kind, False),
         (ema_dir, student_kind, True),
         (pipeline_dir, "pipeline", ema_dir is not None),
+        (merged_dir, "merged", ema_dir is not None),
     )
     written = write_run_settings(settings, output_dir)
     for folder, kind, ema in folders:

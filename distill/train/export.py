@@ -156,14 +156,19 @@ def export_lora(loop: TrainingLoop, student: AdapterModel) -> tuple[Path | None,
         settings = settings_from_run(
             loop.cfg, loop.distiller.info, loop.step, image_mode(loop), **loop.method.sampling_settings()
         )
-        document_export(loop.output_dir, settings, lora_dir, ema_dir, student_kind="lora")
+        merged_dir = None
+        if "merged" in loop.cfg.export_formats.split(","):
+            merged_dir = merged_pipeline(
+                loop, settings.pipeline_class, settings.scheduler, settings.takes_image
+            )
+        document_export(
+            loop.output_dir, settings, lora_dir, ema_dir, student_kind="lora", merged_dir=merged_dir
+        )
         logger.info(
             "LoRA adapters for %s in %s (diffusers and comfyui/ key formats)",
             "the one transformer" if settings.one_transformer else "both experts",
             lora_dir,
         )
-        if "merged" in loop.cfg.export_formats.split(","):
-            merged_pipeline(loop, settings.pipeline_class, settings.scheduler, settings.takes_image)
     dist_utils.barrier()
     return lora_dir, ema_dir
 
@@ -223,10 +228,11 @@ def export_merged(loop: TrainingLoop, student: AdapterModel) -> None:
 
 def merged_pipeline(
     loop: TrainingLoop, pipeline_class: str, scheduler: dict[str, Any] | None, takes_image: bool
-) -> None:
+) -> Path | None:
     """merged/ as a folder the run's pipeline class loads (rank 0): the teacher's model_index.json
     and links to its text encoder, tokenizer and VAE beside the experts, and the run's own
-    scheduler, so nothing else is needed to sample with them."""
+    scheduler, so nothing else is needed to sample with them. None when it holds the experts only
+    (a file system without symbolic links)."""
     from distill.sample.pipeline_folder import make_pipeline_of_experts
 
     folder = loop.output_dir / "merged"
@@ -234,13 +240,14 @@ def merged_pipeline(
         make_pipeline_of_experts(folder, loop.distiller.info.path, scheduler, pipeline_class)
     except DistillError as exc:  # e.g. no symlinks on this file system: the experts themselves are fine
         logger.warning("merged/ holds the experts only: %s", exc.title)
-        return
+        return None
     logger.info(
         "%s.from_pretrained(%r) loads the merged experts with the teacher's text encoder and VAE%s",
         pipeline_class,
         str(folder),
         " (pass image=, the first frame)" if takes_image else "",
     )
+    return folder
 
 
 def image_mode(loop: TrainingLoop) -> bool:
