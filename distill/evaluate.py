@@ -245,13 +245,13 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | Non
 
 def run_cli(args: argparse.Namespace) -> dict[str, Any]:
     from distill.data.prompts import read_prompts
-    from distill.models.lora_files import is_merged_folder
     from distill.models.pipelines import check_sample_size, encode_prompts
     from distill.models.teacher import inspect_teacher, load_experts
     from distill.ops.output_dir import writable_folder
     from distill.ops.paths import Kind, PathFlag, check_paths
     from distill.report.toy_report import toy_prompt_count
     from distill.sample.student_folder import (
+        is_merged_folder,
         load_lora_student,
         load_merged_student,
         load_student,

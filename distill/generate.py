@@ -63,7 +63,7 @@ from distill.config.flag_rules import (
 )
 from distill.models.causal.layout import read_causal_config
 from distill.models.few_step import renoising_from
-from distill.models.lora_files import is_lora_folder, is_merged_folder
+from distill.models.lora_files import is_lora_folder
 from distill.models.pipelines import (
     check_sample_size,
     preprocessed_images,
@@ -86,6 +86,7 @@ from distill.sample.stream import add_stream_flags, build_streamer, check_stream
 from distill.sample.student_folder import (
     FALLBACK,
     TEACHER_GUIDANCE,
+    is_merged_folder,
     lora_student,
     pick_device,
     require_student_folder,

@@ -154,6 +154,20 @@ def test_evaluate_missing_student_is_a_report(tiny_teacher, tmp_path, capsys):
     assert code == 3 and "student folder not found" in err and "Traceback" not in err
 
 
+def test_a_teacher_folder_given_as_the_student_is_refused_not_taken_for_merged_experts(
+    tiny_teacher, tmp_path, capsys
+):
+    """A teacher's folder has the subfolders of a LoRA run's merged/ (transformer/, transformer_2/),
+    but no run wrote it: it is no student."""
+    code = generate.main(
+        ["--student", str(tiny_teacher), "--teacher_path", str(tiny_teacher), "--prompt", "a red ball"]
+        + ["--output", str(tmp_path / "never.png")]
+    )
+    err = capsys.readouterr().err
+    assert code == 3 and "student folder not found" in err and "it holds: model_index.json" in err
+    assert not (tmp_path / "never.png").exists()
+
+
 def test_trained_student_is_closer_to_the_teacher_than_a_random_one(trained, teacher, tmp_path):
     info, high, low, embeddings = teacher
     from diffusers import WanTransformer3DModel

@@ -179,17 +179,6 @@ def is_lora_folder(folder: str | Path) -> bool:
     )
 
 
-def is_merged_folder(folder: str | Path) -> bool:
-    """Whether `folder` is a LoRA run's merged/ export: the experts with the adapters merged in, each
-    a standalone diffusers model in its own subfolder (and no LoRA file, no config.json of its own)."""
-    folder = Path(folder)
-    return (
-        (folder / MERGED_SUBFOLDERS["high"] / "config.json").is_file()
-        and not (folder / "config.json").is_file()
-        and not is_lora_folder(folder)
-    )
-
-
 def merged_state(expert: torch.nn.Module, adapter: str, keep: bool = True) -> dict[str, torch.Tensor]:
     """The expert's weights with adapter `adapter` added in (W + scale B A), in its own key names.
 

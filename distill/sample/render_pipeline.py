@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from distill.models.lora_files import is_lora_folder, is_merged_folder, lora_files
+from distill.models.lora_files import is_lora_folder, lora_files
 from distill.models.pipelines import (
     load_scheduler,
     load_text_components,
@@ -25,7 +25,7 @@ from distill.models.pipelines import (
 from distill.models.teacher import TeacherInfo
 from distill.ops.errors import DistillError, Stage
 from distill.sample.run_settings import RunSettings
-from distill.sample.student_folder import load_merged_student, load_student
+from distill.sample.student_folder import is_merged_folder, load_merged_student, load_student
 
 logger = logging.getLogger(__name__)
 

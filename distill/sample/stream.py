@@ -38,11 +38,12 @@ import torch
 
 from distill.config.flag_rules import Dependent
 from distill.models.causal.layout import CAUSAL_FILE, CausalLayout, read_causal_config
-from distill.models.lora_files import is_lora_folder, is_merged_folder
+from distill.models.lora_files import is_lora_folder
 from distill.models.teacher import TeacherInfo
 from distill.ops.command import integer
 from distill.ops.errors import DistillError, Stage
 from distill.sample.media import FPS, to_uint8
+from distill.sample.student_folder import is_merged_folder
 
 logger = logging.getLogger(__name__)
 

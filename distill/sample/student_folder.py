@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from distill.models.lora_files import MERGED_SUBFOLDERS, is_lora_folder, is_merged_folder
+from distill.models.lora_files import MERGED_SUBFOLDERS, is_lora_folder
 from distill.models.lora_folder import LoraFolder
 from distill.models.pipelines import (
     SizeLimits,
@@ -21,6 +21,7 @@ from distill.models.teacher import TeacherInfo
 from distill.ops.errors import DistillError, Stage
 from distill.sample.lora_fit import kind_at, lora_for_teacher
 from distill.sample.run_settings import (
+    RUN_SETTINGS_FILE,
     RunSettings,
     find_run_settings,
 )
@@ -130,6 +131,20 @@ def load_merged_student(
     }
     model = ExpertCopies(experts["high"], experts.get("low"), info.boundary_ratio)
     return model.requires_grad_(False).eval()
+
+
+def is_merged_folder(folder: str | Path) -> bool:
+    """Whether `folder` is a LoRA run's merged/ export: each expert with the adapters merged in, a
+    standalone diffusers model in the teacher's own subfolders, no LoRA file and no config.json of
+    its own, and the run's run_settings.json in it or beside it (a teacher's folder has the same
+    subfolders, and is not a student)."""
+    folder = Path(folder)
+    return (
+        (folder / MERGED_SUBFOLDERS["high"] / "config.json").is_file()
+        and not (folder / "config.json").is_file()
+        and not is_lora_folder(folder)
+        and any((where / RUN_SETTINGS_FILE).is_file() for where in (folder, folder.parent))
+    )
 
 
 def lora_student(folder: str | Path, info: TeacherInfo) -> LoraFolder | None:
