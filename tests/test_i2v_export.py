@@ -316,6 +316,8 @@ def test_lora_files_and_merged_experts_load_in_stock_i2v_and_sample_as_the_lora_
     assert read_frames(tmp_path / "sample.mp4").shape == (FRAMES, SIZE, SIZE, 3)
     argv = ["--student", str(out / "lora"), "--prompt", PROMPT, "--image", str(image), "--seed", "7"]
     _close(_generate_latent(argv), ours)
+    argv[1] = str(out / "merged")  # generate takes the merged experts as it takes the adapters
+    _close(_generate_latent(argv), ours, atol=1e-4)
 
 
 def test_evaluate_compares_each_prompt_from_its_image(root, dmd_run, tmp_path, capsys):
