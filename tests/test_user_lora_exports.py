@@ -113,3 +113,25 @@ def test_the_card_stacks_both_adapters_and_its_code_runs_as_written(run, tiny_te
     ).frames[0]
     expected = (frames[0] * 255).round().astype(np.uint8).astype(np.float64)
     assert np.abs(drawn - expected).max() <= 1
+
+
+def test_merged_samples_as_the_lora_on_the_fused_teacher_and_its_card_loads_nothing_more(
+    run, tiny_teacher, tmp_path
+):
+    """merged/ already holds the user's pair: generate fuses it again for lora/ (the teacher the run
+    learned), not for merged/, and both draw the same clip; merged/'s card says not to load the pair."""
+    import imageio.v2 as imageio
+
+    from distill import generate
+
+    out, _ = run
+    card = (out / "merged" / "README.md").read_text()
+    assert "are in these weights too" in card and "load_lora_weights" not in card
+    clips = {}
+    for folder in ("lora", "merged"):
+        target = tmp_path / f"{folder}.mp4"
+        argv = ["--student", str(out / folder), "--prompt", "a red ball", "--num_frames", "5"]
+        assert generate.main([*argv, "--height", "32", "--width", "32", "--output", str(target)]) == 0
+        clips[folder] = np.stack(imageio.mimread(target)).astype(np.int16)
+    assert clips["lora"].shape == clips["merged"].shape
+    assert np.abs(clips["lora"] - clips["merged"]).max() <= 2  # the same model, rounded apart

@@ -341,6 +341,14 @@ def model_card_text(
             "`WanTransformer3DModel` weights, one forward per step and no classifier-free guidance at sampling",
             f"time. A pipeline folder: `{settings.pipeline_class}.from_pretrained` loads it with the teacher's text",
             "encoder, tokenizer and VAE (links to the teacher's folders) and the run's own scheduler.",
+            *(
+                [
+                    "The LoRAs the teacher carried (under Training) are in these weights too, at their scales:",
+                    "do not load them again.",
+                ]
+                if settings.teacher_loras
+                else []
+            ),
         ]
     else:
         about = [
