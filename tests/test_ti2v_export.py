@@ -474,6 +474,8 @@ def test_a_lora_of_the_one_transformer_loads_in_stock_i2v_and_merged_samples_ali
     merged = WanImageToVideoPipeline.from_pretrained(out / "merged")
     assert merged.transformer_2 is None and merged.config.expand_timesteps is True
     _close(_stock(merged, 7, image, stochastic=True), ours, atol=1e-4)  # W + BA rounds once more
+    argv = ["--student", str(out / "merged"), "--prompt", PROMPT, "--image", str(image), "--seed", "7"]
+    _close(_generate_latent(argv), ours, atol=1e-4)  # generate takes the one merged transformer too
     teacher_alone = WanImageToVideoPipeline.from_pretrained(root / TEACHER)
     teacher_alone.scheduler = scheduler_from_config(settings.scheduler)
     assert float((_stock(teacher_alone, 7, image, stochastic=True) - ours).abs().max()) > 1e-3
