@@ -49,6 +49,7 @@ import argparse
 import contextlib
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,14 @@ from distill.sample.run_settings import (
     find_run_settings,
     warn_without_run_settings,
 )
-from distill.sample.stream import add_stream_flags, build_streamer, check_stream, stream_all, stream_rules
+from distill.sample.stream import (
+    OpenStream,
+    add_stream_flags,
+    build_streamer,
+    check_stream,
+    stream_all,
+    stream_rules,
+)
 from distill.sample.student_folder import (
     FALLBACK,
     TEACHER_GUIDANCE,
@@ -213,14 +221,17 @@ def check_flags(args: argparse.Namespace, given: dict[str, str]) -> None:
 
 def path_flags(args: argparse.Namespace) -> list[PathFlag]:
     """This command's paths (distill.ops.paths). --output is a file for one prompt, a folder for
-    several (decided once the prompts are read), so only an existing folder is judged as a folder."""
-    output = Kind.OUTPUT_FOLDER if Path(args.output).is_dir() else Kind.OUTPUT_FILE
-    return [
+    several (decided once the prompts are read), so only an existing folder is judged as a folder;
+    None when nothing is written (open_stream)."""
+    flags = [
         PathFlag("--student", args.student, Kind.FOLDER, must_exist=False),
         PathFlag("--teacher_path", args.teacher_path, Kind.FOLDER_OR_HUB),
         PathFlag("--prompts_file", args.prompts_file, Kind.PROMPTS),
-        PathFlag("--output", args.output, output, example="sample.png"),
     ]
+    if args.output is not None:
+        output = Kind.OUTPUT_FOLDER if Path(args.output).is_dir() else Kind.OUTPUT_FILE
+        flags.append(PathFlag("--output", args.output, output, example="sample.png"))
+    return flags
 
 
 def prepare(args: argparse.Namespace) -> tuple[Any, list[str], list[Path], Any]:
@@ -246,7 +257,7 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], list[Path], Any]:
     check_counts(args)
     check_flags(args, given)
     prompts = collect_prompts(args.prompt, args.prompts_file)
-    targets = output_paths(args.output, len(prompts), args.num_frames)
+    targets = [] if args.output is None else output_paths(args.output, len(prompts), args.num_frames)
     for folder in dict.fromkeys(target.parent for target in targets):  # before anything renders
         writable_folder(folder, "--output", create=False)
     info = inspect_teacher(args.teacher_path)
@@ -436,6 +447,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="Dtype of the transformers and text encoder; auto = bfloat16 on CUDA, float32 on CPU.",
     )
     return parser
+
+
+def open_stream(argv: Sequence[str]) -> OpenStream:
+    """A causal student opened for streaming in Python: `argv` are generate's flags (--student,
+    --prompt or --prompts_file, --num_frames, --image, ...; --stream is implied), read and checked as
+    `generate --stream` reads them, defaults from the student's run. Its `chunks(index, seed)` gives
+    each chunk's frames as they are made. Bad input raises DistillError, naming the flag and the fix.
+
+        stream = open_stream(["--student", "outputs/causal/student", "--prompt", "a red ball", "--num_frames", "81"])
+        for frames in stream.chunks(0, seed=0):
+            ...  # (F, H, W, 3) in [0, 1]: show or send them now
+    """
+    if any(flag == "--output" or flag.startswith("--output=") for flag in argv):
+        raise DistillError(
+            "open_stream writes nothing: --output has no place in its flags",
+            fixes=["leave --output out and write the frames `chunks` gives where you want them"],
+            stage=Stage.ARGV,
+        )
+    args = build_parser().parse_args([*argv, "--stream", "--output", "unused"])
+    args.output = None  # nothing is written: no output file to judge
+    streamer, prompts, _, images = prepare(args)
+    return OpenStream(streamer, prompts, images)
 
 
 @entry_point

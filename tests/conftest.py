@@ -296,3 +296,18 @@ def preempt_then_finish(
     assert train(args) == 0
     resumed = [line for line in capsys.readouterr().err.splitlines() if "resumed from" in line]
     assert resumed and f"step_{at_step:08d}" in resumed[0], resumed
+
+
+def run_streaming_card(folder: Path, monkeypatch: pytest.MonkeyPatch, where: Path) -> int:
+    """Run the streaming code of a causal student's model card (`folder`/README.md) as written, in
+    `where`; the number of frames in the MP4 it writes."""
+    import re
+
+    import imageio.v2 as imageio
+
+    blocks = re.findall(r"```python\n(.*?)```", (folder / "README.md").read_text(), re.S)
+    code = next(block for block in blocks if "open_stream" in block)
+    where.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(where)
+    exec(code, {"__name__": "card"})
+    return imageio.get_reader(where / "stream.mp4").count_frames()

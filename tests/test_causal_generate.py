@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import imageio.v2 as imageio
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,8 @@ from distill.models.student import export_student
 from distill.models.teacher import inspect_teacher, load_expert
 from distill.models.teacher_kind import I2V_A14B
 from distill.models.tiny import write_tiny_teacher
+from distill.ops.errors import DistillError
+from distill.sample import stream as stream_module
 from distill.sample.stream import default_window, whole_chunk_counts
 
 
@@ -128,3 +131,29 @@ def test_an_image_to_video_student_streams_with_its_image_in_the_first_chunk(
     argv = stream_args(student, teacher, tmp_path / "clip", "--num_frames", "13", "--image", str(image))
     assert generate.main(argv) == 0
     assert imageio.get_reader(tmp_path / "clip.mp4").count_frames() == 13
+
+
+def test_open_stream_gives_each_chunk_as_it_is_made_and_refuses_what_generate_refuses(
+    causal_student: Path, tiny_teacher: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Python face of `generate --stream` (the causal model cards' code): the same flags, the
+    same checks, each chunk's frames as they are made: the frames the command writes."""
+    written: list[np.ndarray] = []
+    add = stream_module._FrameWriter.add
+    monkeypatch.setattr(
+        stream_module._FrameWriter, "add", lambda self, f: (written.append(f), add(self, f))[1]
+    )
+    argv = stream_args(causal_student, tiny_teacher, tmp_path / "ball", "--num_frames", "33")
+    assert generate.main(argv) == 0
+    python = [a for a in argv if a not in ("--stream", "--output", str(tmp_path / "ball"))]
+    chunks = list(generate.open_stream(python).chunks(0, seed=0))
+    # chunks of 3 latent frames: 9 video frames first (1 + 4 + 4), then 12 each
+    assert [len(frames) for frames in chunks] == [9, 12, 12]
+    assert len(written) == 3 and all(np.array_equal(a, b) for a, b in zip(chunks, written))
+
+    with pytest.raises(DistillError, match="--output has no place"):
+        generate.open_stream([*python, "--output", str(tmp_path / "x.mp4")])
+    bidirectional = export_expert(tiny_teacher, tmp_path / "bidirectional", None)
+    python[python.index("--student") + 1] = str(bidirectional)
+    with pytest.raises(DistillError, match="--stream needs a causal student"):
+        generate.open_stream(python)

@@ -11,7 +11,7 @@ from pathlib import Path
 import imageio.v2 as imageio
 import pytest
 import torch
-from conftest import train_args
+from conftest import run_streaming_card, train_args
 
 from distill import generate
 from distill.config.cli import parse_config
@@ -201,6 +201,10 @@ def test_a_causal_lora_student_trains_by_self_forcing_resumes_bitwise_and_stream
             ]
         )
         assert code == 0 and imageio.get_reader(video.with_suffix(".mp4")).count_frames() == 33, folder
+        # Its card's Python streams 3x the trained clip as written (the wan-distill sampler).
+        assert (
+            run_streaming_card(straight.output_dir / folder, monkeypatch, tmp_path / f"card_{folder}") == 33
+        )
     # Without --stream the stock pipeline renders it whole (the adapters as diffusers loads them), and says so.
     whole = tmp_path / "whole"
     code = generate.main(

@@ -11,7 +11,7 @@ import imageio.v2 as imageio
 import pytest
 import torch
 import torch.utils.checkpoint
-from conftest import REPO, train_args
+from conftest import REPO, run_streaming_card, train_args
 from safetensors.torch import load_file
 from test_i2v_training import write_pairs
 
@@ -291,6 +291,7 @@ def test_self_forcing_trains_resumes_bitwise_and_its_export_streams(
     assert (student / "scheduler_config.json").is_file()
     assert json.loads((student / "run_settings.json").read_text())["chunk_frames"] == CHUNK
     assert "It is causal" in (student / "README.md").read_text()  # the model card says how to stream it
+    assert run_streaming_card(student, monkeypatch, tmp_path / "card") == 33  # ... in Python, as written
     video = tmp_path / "stream"
     code = generate.main(
         [

@@ -28,6 +28,8 @@ from distill.sample.run_settings import RunSettings, write_run_settings
 CARD_FILE = "README.md"
 EXAMPLE_PROMPT = "a red fox trotting through fresh snow at sunrise"
 EXAMPLE_IMAGE = "first_frame.png"
+# Wan 2.2's VAEs make one latent frame of every 4 video frames after the first.
+VAE_TEMPORAL = 4
 WAN_DEFAULTS = "guidance 5.0, 50 steps, 480x832, max_sequence_length 512"
 
 
@@ -185,6 +187,50 @@ def usage_code(settings: RunSettings, kind: str, folder_ref: str) -> str:
     else:
         lines.append('export_to_video(list(frames), "sample.mp4", fps=16)')
     return "\n".join(lines) + "\n"
+
+
+def streaming_code(settings: RunSettings, folder_ref: str) -> str:
+    """The Python that streams a causal student with the wan-distill project's sampler, 3x the
+    trained clip (whole chunks); runs as it is (the causal students' tests run it)."""
+    latent_frames = (settings.num_frames - 1) // VAE_TEMPORAL + 1
+    frames = (3 * latent_frames - 1) * VAE_TEMPORAL + 1
+    flags = ["--student", folder_ref, "--prompt", EXAMPLE_PROMPT, "--num_frames", str(frames)]
+    if settings.takes_image:
+        flags += ["--image", EXAMPLE_IMAGE]
+    return (
+        "\n".join(
+            [
+                "from diffusers.utils import export_to_video",
+                "",
+                "from distill.generate import open_stream",
+                "",
+                "# generate's flags; the teacher, size and steps come from the run (run_settings.json)",
+                f"stream = open_stream({flags!r})",
+                "clip = []",
+                "for frames in stream.chunks(0, seed=0):  # each chunk's frames, as soon as it is made",
+                "    clip.extend(frames)  # (height, width, 3) in [0, 1]: show or send them now",
+                'export_to_video(clip, "stream.mp4", fps=16)',
+            ]
+        )
+        + "\n"
+    )
+
+
+def _streaming_lines(settings: RunSettings, folder_ref: str) -> list[str]:
+    return [
+        "## Streaming",
+        "",
+        "Streaming needs the wan-distill project's sampler (docs/streaming.md): each chunk is denoised on a KV",
+        "cache of the finished ones and decoded at once, and a clip may run longer than the student was trained on",
+        "(whole chunks). Three times the trained clip, chunk by chunk:",
+        "",
+        "```python",
+        streaming_code(settings, folder_ref).rstrip("\n"),
+        "```",
+        "",
+        '`python -m distill.generate --student FOLDER --stream --prompt "..."` writes the same frames to an MP4 as',
+        "they come and prints the time to the first frame.",
+    ]
 
 
 def _eval_section(result: Mapping[str, Any] | None) -> list[str]:
@@ -379,8 +425,7 @@ def model_card_text(
             "",
             f"It is causal: its attention is block-causal over chunks of {settings.chunk_frames} latent frame(s)",
             "(`causal_config.json`), so it streams, each chunk's frames out while the next is made, and",
-            "clips may run longer than trained: `python -m distill.generate --student FOLDER --stream",
-            '--num_frames 81 --prompt "..."` (docs/streaming.md of the wan-distill project).',
+            "clips may run longer than trained (Streaming, below).",
             *(
                 [
                     "Stock diffusers and ComfyUI apply the adapters to the teacher's experts attending over the",
@@ -418,6 +463,7 @@ def model_card_text(
         + " --output out.png` of the wan-distill",
         "project uses these values by default (from `run_settings.json` in this folder).",
         "",
+        *(_streaming_lines(settings, folder_ref) if settings.chunk_frames else []),
         *(_comfyui_lines(settings) if kind == "lora" else []),
         "",
         "## Training",

@@ -28,7 +28,7 @@ import argparse
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,35 +212,47 @@ class Streamer:
             kind=self.info.kind,
         )
 
-    def stream(
-        self, index: int, prompt: str, seed: int, target: Path, image: torch.Tensor | None = None
-    ) -> tuple[Path, StreamReport]:
-        """Stream prompt `index` (`prompt`)'s clip from `seed` into `target` (an .mp4, or a .png for
-        one frame), and report its time to first frame and frames per second."""
+    def chunks(self, prompt: str, seed: int, image: torch.Tensor | None = None) -> Iterator[np.ndarray]:
+        """`prompt`'s clip from `seed`, chunk by chunk: each chunk's frames (F, H, W, 3) in [0, 1] as
+        soon as it is made and decoded. `prompt` is one the streamer was built for (its embedding
+        is kept); `image` the first frame of an image-to-video student, preprocessed as generate does."""
         from distill.models.causal.decode import ChunkDecoder
         from distill.models.causal.streaming import stream_latents
 
         args, info = self.args, self.info
-        latent_shape = info.latent_shape(args.height, args.width, args.num_frames)
+        if prompt not in self.embeddings:
+            raise ValueError(
+                f"{prompt!r} is not one of the prompts this streamer encoded: {list(self.embeddings)}"
+            )
         condition = self.condition(image)
         decoder = ChunkDecoder(self.vae)
-        writer = _FrameWriter(target, args.num_frames)
-        start = time.perf_counter()
-        first: tuple[float, int] | None = None
-        chunks = 0
         try:
             for chunk in stream_latents(
                 self.student,
                 self.scheduler,
                 args.steps,
                 self.embeddings[prompt][None],
-                latent_shape,
+                info.latent_shape(args.height, args.width, args.num_frames),
                 seed,
                 window=self.window,
                 kind=info.kind,
                 condition=condition,
             ):
-                frames = decoder(chunk.latents)
+                yield decoder(chunk.latents)
+        finally:
+            decoder.close()
+
+    def stream(
+        self, index: int, prompt: str, seed: int, target: Path, image: torch.Tensor | None = None
+    ) -> tuple[Path, StreamReport]:
+        """Stream prompt `index` (`prompt`)'s clip from `seed` into `target` (an .mp4, or a .png for
+        one frame), and report its time to first frame and frames per second."""
+        writer = _FrameWriter(target, self.args.num_frames)
+        start = time.perf_counter()
+        first: tuple[float, int] | None = None
+        chunks = 0
+        try:
+            for frames in self.chunks(prompt, seed, image):
                 writer.add(frames)
                 chunks += 1
                 if first is None:
@@ -248,12 +260,27 @@ class Streamer:
             path = writer.finish()
         finally:
             writer.abandon()
-            decoder.close()
         total = time.perf_counter() - start
         assert first is not None
         report = StreamReport(writer.count, first[1], first[0], total, chunks)
         logger.info(report.line(index))
         return path, report
+
+
+@dataclass
+class OpenStream:
+    """A causal student ready to stream in Python (`distill.generate.open_stream`), with the prompts
+    (and first frames, image to video) it was opened for."""
+
+    streamer: Streamer
+    prompts: list[str]
+    images: Sequence[torch.Tensor] | None
+
+    def chunks(self, index: int = 0, seed: int = 0) -> Iterator[np.ndarray]:
+        """Prompt `index`'s clip from `seed`, chunk by chunk: each chunk's frames (F, H, W, 3) in
+        [0, 1] as soon as it is made (the same frames `generate --stream` writes for that seed)."""
+        image = None if self.images is None else self.images[index]
+        return self.streamer.chunks(self.prompts[index], seed, image)
 
 
 class _FrameWriter:
