@@ -20,7 +20,8 @@ from distill.config.cli import parse_config
 from distill.models.teacher import inspect_teacher
 from distill.ops.errors import DistillError
 from distill.report.monitor import DEFAULT_SAMPLE_PROMPTS
-from distill.sample.model_card import EXAMPLE_PROMPT, model_card_text, write_model_card
+from distill.sample.card_code import EXAMPLE_PROMPT
+from distill.sample.model_card import model_card_text, write_model_card
 from distill.sample.pipeline_folder import write_pipeline_folder
 from distill.sample.run_settings import read_run_settings, teacher_hub_id
 from distill.train.trainer import Distiller

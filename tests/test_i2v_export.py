@@ -40,8 +40,8 @@ from distill.models.pipelines import (
 from distill.models.teacher import inspect_teacher
 from distill.models.teacher_kind import I2V_A14B
 from distill.models.tiny import write_tiny_teacher
+from distill.sample.card_code import EXAMPLE_IMAGE
 from distill.sample.media import read_frames
-from distill.sample.model_card import EXAMPLE_IMAGE
 from distill.sample.run_settings import read_run_settings
 from distill.sample.student_folder import load_lora_student, load_student
 from distill.train.trainer import Distiller

@@ -39,9 +39,9 @@ from distill.models.teacher import inspect_teacher
 from distill.models.teacher_kind import TI2V_5B
 from distill.models.tiny import write_tiny_teacher
 from distill.ops.errors import DistillError
+from distill.sample.card_code import EXAMPLE_IMAGE
 from distill.sample.image_inputs import collect_prompts, prompt_images, recorded_mode
 from distill.sample.media import read_frames
-from distill.sample.model_card import EXAMPLE_IMAGE
 from distill.sample.run_settings import read_run_settings
 from distill.sample.student_folder import load_student
 from distill.train.trainer import Distiller

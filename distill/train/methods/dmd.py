@@ -159,7 +159,7 @@ def guided_stage_one(student_init: str | None) -> str | None:
     from the guided teacher (its run_settings.json says so) has the guidance built into its
     velocity, and its clean estimates at high noise overshoot by that factor. On the toy teacher,
     dmd from such a student reached 0.70 at 4 steps; from one distilled at guidance 1, 0.97."""
-    from distill.sample.model_card import learned_guidance
+    from distill.sample.card_code import learned_guidance
     from distill.sample.run_settings import find_run_settings
 
     if student_init in (None, "random", "teacher"):
