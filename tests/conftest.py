@@ -298,16 +298,23 @@ def preempt_then_finish(
     assert resumed and f"step_{at_step:08d}" in resumed[0], resumed
 
 
-def run_streaming_card(folder: Path, monkeypatch: pytest.MonkeyPatch, where: Path) -> int:
+def run_streaming_card(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, where: Path, image: Path | None = None
+) -> int:
     """Run the streaming code of a causal student's model card (`folder`/README.md) as written, in
-    `where`; the number of frames in the MP4 it writes."""
+    `where` (with `image` as the card's first frame, image to video); the number of frames in the
+    MP4 it writes."""
     import re
 
     import imageio.v2 as imageio
 
+    from distill.sample.card_code import EXAMPLE_IMAGE
+
     blocks = re.findall(r"```python\n(.*?)```", (folder / "README.md").read_text(), re.S)
     code = next(block for block in blocks if "open_stream" in block)
     where.mkdir(parents=True, exist_ok=True)
+    if image is not None:
+        shutil.copy(image, where / EXAMPLE_IMAGE)
     monkeypatch.chdir(where)
     exec(code, {"__name__": "card"})
     return imageio.get_reader(where / "stream.mp4").count_frames()

@@ -366,10 +366,11 @@ def i2v_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("method", ["ode_init", "self_forcing", "self_forcing_lora"])
 def test_the_causal_methods_train_an_image_to_video_student(
-    i2v_world: dict[str, Path], tmp_path: Path, method: str
+    i2v_world: dict[str, Path], tmp_path: Path, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each causal method on the tiny I2V teacher, and Self-Forcing of a causal LoRA student (the
-    image enters each expert's cache pass of the first chunk too)."""
+    image enters each expert's cache pass of the first chunk too); each export's card streams it
+    from a first frame, as written."""
     lora = method.endswith("_lora")
     args = causal_args(
         i2v_world["teacher"],
@@ -384,7 +385,10 @@ def test_the_causal_methods_train_an_image_to_video_student(
     )
     result = run(args)
     assert result.last_loss is not None and result.last_loss == result.last_loss
-    assert (result.output_dir / ("lora" if lora else "student") / "causal_config.json").is_file()
+    export = result.output_dir / ("lora" if lora else "student")
+    assert (export / "causal_config.json").is_file()
+    image = i2v_world["pairs"].parent / "images" / "0.png"
+    assert run_streaming_card(export, monkeypatch, tmp_path / "card", image) == 33
 
 
 def test_a_longer_rollout_of_image_to_video_samples_is_refused_before_the_teacher_loads(
