@@ -134,4 +134,6 @@ def test_merged_samples_as_the_lora_on_the_fused_teacher_and_its_card_loads_noth
         assert generate.main([*argv, "--height", "32", "--width", "32", "--output", str(target)]) == 0
         clips[folder] = np.stack(imageio.mimread(target)).astype(np.int16)
     assert clips["lora"].shape == clips["merged"].shape
-    assert np.abs(clips["lora"] - clips["merged"]).max() <= 2  # the same model, rounded apart
+    # The same model, rounded apart (0 levels here); the MP4 codec may spread a one-level rounding
+    # flip of another CPU over a block, and a second fuse of the user's pair moves them 22 levels.
+    assert np.abs(clips["lora"] - clips["merged"]).max() <= 6
