@@ -117,6 +117,15 @@ HEAVIEST_MODULES = (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The CPU each module costs, printed after the run (tests/cpu_report.py): what the suite's time
+    on two busy cores is made of. Registered as a plugin, so it measures test_error_handling.py's
+    tests too, which live outside this folder."""
+    import cpu_report
+
+    cpu_report.register(config)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The heaviest modules first, then those marked `long`: `make test` hands whole modules to its
     workers (--dist loadfile, so a module's expensive fixtures are built once), and the longest
