@@ -173,7 +173,7 @@ test: $(STAMP)
 # The long proofs, not in CI: every shipped toy student (assets/toy_student_*, assets/toy_i2v_student_*)
 # trained again from scratch with its recorded command and held to its full bars; the stage-1 students
 # must rebuild what is shipped; the toy user LoRA and the speed LoRA distilled against it are trained
-# again too (distill/toy/proofs.py; about 85 min on 2 CPU cores; `--ship` replaces the assets). CI
+# again too (distill/toy/proofs.py; about 100 min on 2 CPU cores; `--ship` replaces the assets). CI
 # scores the shipped students and trains each method briefly instead. Run it before landing a change
 # to a method, a sampler or the toy world.
 proofs: $(STAMP)

@@ -353,14 +353,9 @@ def build_streamer(
     encoder loaded for that and freed before any clip streams)."""
     from distill.models.few_step import few_step_scheduler, load_few_step_scheduler
     from distill.models.pipelines import encode_prompts, load_vae, scheduler_from_config
-    from distill.sample.student_folder import load_lora_student, load_merged_student, load_student
+    from distill.sample.student_folder import load_any_student
 
-    if is_lora_folder(args.student):  # the teacher's experts, causal while the student's adapters run
-        student, _, _ = load_lora_student(args.student, info, device, dtype)
-    elif is_merged_folder(args.student):  # the merged experts, each causal with its own KV cache
-        student = load_merged_student(args.student, info, device, dtype)
-    else:
-        student = load_student(args.student, info, device, dtype)
+    student = load_any_student(args.student, info, device, dtype)
     if run is not None and run.scheduler:
         scheduler = scheduler_from_config(run.scheduler)
     else:

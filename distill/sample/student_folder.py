@@ -194,6 +194,17 @@ def load_lora_student(
     return student, teacher_high, teacher_low
 
 
+def load_any_student(folder: str | Path, info: TeacherInfo, device: torch.device, dtype: torch.dtype) -> Any:
+    """The student of any exported folder, as it samples: a LoRA run's adapters on the teacher's
+    experts, a LoRA run's merged experts routed by timestep, or one model; causal again where the
+    folder records a chunk size."""
+    if is_lora_folder(folder):  # the teacher's experts, causal while the student's adapters run
+        return load_lora_student(folder, info, device, dtype)[0]
+    if is_merged_folder(folder):  # the merged experts, each causal with its own KV cache
+        return load_merged_student(folder, info, device, dtype)
+    return load_student(folder, info, device, dtype)
+
+
 def require_student_folder(folder: str | Path, teacher_only: bool = True) -> Path:
     """`folder` if it holds an exported student (a config.json, or a LoRA run's adapters), else a
     report saying what it holds.

@@ -1,26 +1,34 @@
-"""The shipped causal streaming student of the toy clip teacher (assets/toy_student_causal/) and its record.
+"""The shipped causal streaming students of the toy clip teacher and their records: a separate student
+(assets/toy_student_causal/) and a causal LoRA of the teacher's experts (assets/toy_student_causal_lora/).
 
-    python -m distill.toy.causal_ship                # the record's table and bars
-    python -m distill.toy.causal_ship --retrain      # train it again (~12 min on 2 cores), score it, ship it
-    python -m distill.toy.causal_ship --rescore      # score the shipped student again, rewrite its record
+    python -m distill.toy.causal_ship                         # the record's table and bars
+    python -m distill.toy.causal_ship --retrain               # train it again (~12 min on 2 cores), score it, ship it
+    python -m distill.toy.causal_ship --rescore               # score the shipped student again, rewrite its record
+    python -m distill.toy.causal_ship --student lora ...      # the same for the causal LoRA (~15 min to retrain)
 
-The recipe is distill/toy/causal_students.py's: from the shipped bidirectional 4-step dmd clip student,
-chunks of 1 latent frame, 400 steps of ode_init then 40 of self_forcing, on the first 512 clip prompts'
-teacher samples. The record holds both training commands and the student streamed (4 steps a chunk, the
-KV cache window of generate --stream) on the world's 216 scored clip prompts, prompt i from seed i, with
-which prompts it got right:
+The recipes are distill/toy/causal_students.py's, each with chunks of 1 latent frame:
+
+- the separate student: from the shipped bidirectional 4-step dmd clip student, 400 steps of ode_init
+  then 40 of self_forcing, on the first 512 clip prompts' teacher samples;
+- the LoRA: from the shipped bidirectional clip LoRA (assets/toy_student_clips_lora), 300 steps of
+  self_forcing of the high-noise expert's adapters, then 300 of the low-noise expert's with the high
+  one's held (`--expert_phase`), data-free on the first 512 clip prompts.
+
+Each record holds its training commands and the student streamed (4 steps a chunk, the KV cache window
+of generate --stream) on the world's 216 scored clip prompts, prompt i from seed i, with which prompts
+it got right:
 
 - at the trained length, decoded by the teacher's VAE, against the bars the exit code follows:
-  accuracy >= 0.9 x the bidirectional student's at 4 steps (its own record, the same prompts and
-  noise), and motion ratio 0.85-1.15;
+  accuracy >= 0.9 x the bidirectional student's it starts from at 4 steps (that student's own record,
+  the same prompts and noise), and motion ratio 0.85-1.15;
 - 3x longer (33 frames), decoded by the toy world's stream reader (distill/toy/stream_reader.py: the
   teacher's toy VAE cannot decode past the trained 9 frames) and scored by `score_stream`, against the
   issue's 3x bars: identity held in >= 90% of the streams, motion ratio 0.85-1.15, each shown beside
   what the world's own streams read through the same reader. Printed, not part of the exit code: the
-  shipped student misses them (docs/streaming.md says how, and why).
+  shipped students miss them (docs/streaming.md says how, and why).
 
-CI streams the shipped student again and holds it to its record and bars (tests/test_toy_shipped_causal.py);
-`make proofs` trains it again from scratch.
+CI streams each shipped student again and holds it to its record and bars (tests/test_toy_shipped_causal.py);
+`make proofs` trains each again from scratch.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import json
 import shlex
 import shutil
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +47,16 @@ from distill.ops.paths import Kind
 from distill.toy.t2v_students import ACCURACY_SHARE, MOTION_RANGE  # the clip students' bars
 
 REPO = Path(__file__).resolve().parents[2]
-ASSET = REPO / "assets" / "toy_student_causal"
 RECORD_FILE = "toy_student.json"
 TEACHER_REF = "outputs/toy-wan"  # where the demos write the toy teacher
-RUN_REF = "outputs/toy-causal"
 STEPS = 4
 
 
-def stage_args(
+def student_stage_args(
     teacher: Path | str, out: Path | str, cache: Path | str | None = None, start: Path | None = None
 ) -> list[list[str]]:
-    """The trainer's arguments of both stages: ode_init from `start` (the shipped dmd clip student),
-    then self_forcing from its export (OUT/ode_init/student)."""
+    """The separate student's two stages: ode_init from `start` (the shipped dmd clip student), then
+    self_forcing from its export (OUT/ode_init/student)."""
     from distill.toy import causal_students as recipe
 
     ode = recipe.train_args(
@@ -74,11 +82,75 @@ def stage_args(
     return [ode, forcing]
 
 
-def commands() -> list[str]:
-    """The record's two training commands, as run from the repository root."""
-    from distill.toy.causal_students import SHIPPED_DMD
+def lora_stage_args(
+    teacher: Path | str, out: Path | str, cache: Path | str | None = None, start: Path | None = None
+) -> list[list[str]]:
+    """The causal LoRA's two phases: the high-noise expert's adapters from `start` (the shipped
+    bidirectional clip LoRA), then the low-noise expert's from the high phase's (OUT/high/lora)."""
+    from distill.toy import causal_students as recipe
 
-    runs = stage_args(TEACHER_REF, RUN_REF, f"{RUN_REF}-cache", SHIPPED_DMD.relative_to(REPO))
+    high, low = recipe.LORA_PHASES
+    return [
+        recipe.lora_phase_args(teacher, out, high, start or recipe.SHIPPED_LORA, cache),
+        recipe.lora_phase_args(teacher, out, low, Path(out) / high / "lora", cache),
+    ]
+
+
+@dataclass(frozen=True)
+class CausalStudent:
+    """One shipped causal student: where it is shipped, the bidirectional student it starts from (whose
+    4-step row its bar is a share of), its training runs and which of their folders is shipped."""
+
+    asset: Path
+    run_ref: str  # where its recorded commands write the runs
+    reference: str  # distill.toy.t2v_ship's kind of the student it starts from
+    stages: Callable[..., list[list[str]]]  # (teacher, out, cache, start) -> each run's arguments
+    exported: str  # the shipped folder, inside the runs' folder
+    rebuild: str
+
+    def start(self) -> Path:
+        from distill.toy import t2v_ship
+
+        return t2v_ship.ASSETS[self.reference]
+
+
+STUDENTS = {
+    "full": CausalStudent(
+        REPO / "assets" / "toy_student_causal",
+        "outputs/toy-causal",
+        "clips_dmd",
+        student_stage_args,
+        "self_forcing/student",
+        "python -m distill.toy.causal_ship --retrain",
+    ),
+    "lora": CausalStudent(
+        REPO / "assets" / "toy_student_causal_lora",
+        "outputs/toy-causal-lora",
+        "clips_lora",
+        lora_stage_args,
+        "low/lora",
+        "python -m distill.toy.causal_ship --student lora --retrain",
+    ),
+}
+FULL = STUDENTS["full"]
+ASSET = FULL.asset
+
+
+def stage_args(
+    teacher: Path | str,
+    out: Path | str,
+    cache: Path | str | None = None,
+    start: Path | None = None,
+    student: CausalStudent = FULL,
+) -> list[list[str]]:
+    """The trainer's arguments of each of `student`'s runs, in order."""
+    return student.stages(teacher, out, cache, start)
+
+
+def commands(student: CausalStudent = FULL) -> list[str]:
+    """The record's training commands, as run from the repository root."""
+    ref = student.run_ref
+    runs = stage_args(TEACHER_REF, ref, f"{ref}-cache", student.start().relative_to(REPO), student)
     return ["python train_distillation.py " + " ".join(shlex.quote(a) for a in args) for args in runs]
 
 
@@ -95,7 +167,7 @@ def streamed_clips(
     from distill.models.pipelines import encode_prompts
     from distill.models.teacher import inspect_teacher
     from distill.sample.stream import default_window
-    from distill.sample.student_folder import load_student
+    from distill.sample.student_folder import load_any_student
     from distill.toy.causal_students import CHUNK, clips
     from distill.toy.t2v_students import scored_prompts
     from distill.toy.world import CLIP_FRAMES
@@ -104,8 +176,8 @@ def streamed_clips(
     embeddings = encode_prompts(teacher, prompts, 512, torch.device("cpu"), torch.float32)
     embeds = torch.stack([embeddings[p] for p in prompts])
     info = inspect_teacher(str(teacher))
-    # causal again: its folder holds causal_config.json
-    model = load_student(folder, info, torch.device("cpu"), torch.float32).eval()
+    # causal again: its folder holds causal_config.json (a LoRA folder's adapters run on the teacher's experts)
+    model = load_any_student(folder, info, torch.device("cpu"), torch.float32).eval()
     window = default_window(CausalLayout(CHUNK), CLIP_FRAMES, info.vae_scale_temporal)
     made, first_share = clips(
         model, load_few_step_scheduler(folder), embeds, frames, vae, stream=True, window=window
@@ -160,13 +232,14 @@ def long_stream_row(teacher: Path | str, folder: Path | str, count: int | None =
     return row | {"count": len(prompts), "first_frame_share": round(first_share, 3)}
 
 
-def bidirectional_row() -> dict[str, Any]:
-    """The shipped bidirectional dmd clip student at 4 steps, from its record (the same prompts and noise)."""
+def bidirectional_row(student: CausalStudent = FULL) -> dict[str, Any]:
+    """The shipped bidirectional clip student `student` starts from, at 4 steps, from its record (the
+    same prompts and noise)."""
     from distill.toy import t2v_ship
     from distill.toy.t2v_students import find_row
 
-    record = json.loads((t2v_ship.ASSETS["clips_dmd"] / t2v_ship.RECORD_FILE).read_text())
-    return find_row(record["evaluation"]["rows"], "clips_dmd", STEPS)
+    record = json.loads((student.start() / t2v_ship.RECORD_FILE).read_text())
+    return find_row(record["evaluation"]["rows"], student.reference, STEPS)
 
 
 def bars(row: dict[str, Any], reference: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -214,8 +287,8 @@ def unmet(found: dict[str, dict[str, Any]]) -> list[str]:
     return [f"{name} {b['value']} ({b['limit']})" for name, b in found.items() if not b["met"]]
 
 
-def retrain(work: Path) -> tuple[Path, dict[str, Any]]:
-    """Both stages from scratch in `work`; the exported student and its record, not yet shipped."""
+def retrain(work: Path, student: CausalStudent = FULL) -> tuple[Path, dict[str, Any]]:
+    """`student`'s runs from scratch in `work`; the exported folder and its record, not yet shipped."""
     from distill.config.cli import parse_config
     from distill.toy.shipped import write_toy_teacher
     from distill.train.trainer import Distiller
@@ -223,21 +296,26 @@ def retrain(work: Path) -> tuple[Path, dict[str, Any]]:
     teacher = write_toy_teacher(work / "teacher", overwrite=True)
     run = work / "run"
     shutil.rmtree(run, ignore_errors=True)  # a fresh run: the recipe is what gets shipped, not a resume
-    for args in stage_args(teacher, run, work / "cache"):
+    for args in stage_args(teacher, run, work / "cache", student=student):
         Distiller(parse_config(args)).run()
-    exported = run / "self_forcing" / "student"
-    return exported, make_record(teacher, exported)
+    exported = run / student.exported
+    return exported, make_record(teacher, exported, student)
 
 
-def make_record(teacher: Path, exported: Path) -> dict[str, Any]:
-    """The record of the recipe's student in `exported`: its commands, its streamed row and bars."""
+def make_record(teacher: Path, exported: Path, student: CausalStudent = FULL) -> dict[str, Any]:
+    """The record of `student`'s recipe run in `exported`: its commands, its streamed row and bars."""
     from distill.toy.stream_reader import read_record
 
     row = streamed_row(teacher, exported)
-    evaluation = {"count": row["count"], "noise_seed": 0, "row": row, "bars": bars(row, bidirectional_row())}
+    evaluation = {
+        "count": row["count"],
+        "noise_seed": 0,
+        "row": row,
+        "bars": bars(row, bidirectional_row(student)),
+    }
     return {
-        "commands": commands(),
-        "rebuild": "python -m distill.toy.causal_ship --retrain",
+        "commands": commands(student),
+        "rebuild": student.rebuild,
         "evaluation": evaluation,
         "stream_3x": long_stream_record(teacher, exported, read_record()["floor"]),
     }
@@ -249,19 +327,20 @@ def long_stream_record(teacher: Path, exported: Path, floor: dict[str, Any]) -> 
     return {"row": row, "bars": long_stream_bars(row, floor)}
 
 
-def ship(exported: Path, record: dict[str, Any], dest: Path = ASSET) -> Path:
+def ship(exported: Path, record: dict[str, Any], student: CausalStudent = FULL) -> Path:
     from distill.toy.shipping import ship_student
 
-    return ship_student(exported, dest, TEACHER_REF, (RECORD_FILE, record))
+    return ship_student(exported, student.asset, TEACHER_REF, (RECORD_FILE, record))
 
 
-def table(record: dict[str, Any]) -> str:
-    row, reference = record["evaluation"]["row"], bidirectional_row()
-    lines = [
-        "model                           accuracy  motion  identity",
-        f"bidirectional dmd, 4 steps      {reference['accuracy']:.3f}     {reference['motion_ratio']:.3f}   "
-        f"{reference['identity']:.3f}",
-        f"causal, streamed, 4 steps       {row['accuracy']:.3f}     {row['motion_ratio']:.3f}   {row['identity']:.3f}",
+def table(record: dict[str, Any], student: CausalStudent = FULL) -> str:
+    row, reference = record["evaluation"]["row"], bidirectional_row(student)
+    lines = [f"{'model':<36}accuracy  motion  identity"] + [
+        f"{label:<36}{r['accuracy']:.3f}     {r['motion_ratio']:.3f}   {r['identity']:.3f}"
+        for label, r in (
+            (f"bidirectional {student.reference}, 4 steps", reference),
+            ("causal, streamed, 4 steps", row),
+        )
     ]
     lines += [_bar_line(name, b) for name, b in record["evaluation"]["bars"].items()]
     long = record.get("stream_3x")
@@ -282,6 +361,12 @@ def _bar_line(name: str, bar: dict[str, Any]) -> str:
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="python -m distill.toy.causal_ship", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--student",
+        choices=sorted(STUDENTS),
+        default="full",
+        help="the separate causal student (full) or the causal LoRA of the teacher's experts (lora)",
+    )
     parser.add_argument("--retrain", action="store_true", help="train it again, score it and ship it")
     parser.add_argument(
         "--rescore",
@@ -296,12 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the runs",
     )
     args = parser.parse_args(argv)
+    student = STUDENTS[args.student]
     if args.retrain:
         import torch
 
         torch.set_num_threads(1)
-        exported, record = retrain(Path(args.work_dir).absolute())
-        ship(exported, record)
+        exported, record = retrain(Path(args.work_dir).absolute(), student)
+        ship(exported, record, student)
     elif args.rescore:
         import torch
 
@@ -309,11 +395,11 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(1)
         teacher = write_toy_teacher(Path(args.work_dir).absolute() / "teacher", overwrite=True)
-        record = make_record(teacher, ASSET)
-        (ASSET / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        record = make_record(teacher, student.asset, student)
+        (student.asset / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     else:
-        record = json.loads((ASSET / RECORD_FILE).read_text())
-    print(table(record))
+        record = json.loads((student.asset / RECORD_FILE).read_text())
+    print(table(record, student))
     return 1 if unmet(record["evaluation"]["bars"]) else 0
 
 

@@ -63,13 +63,24 @@ ODE_STEPS, ODE_LR = 400, 1e-4
 SELF_FORCING_STEPS, SELF_FORCING_LR, CRITIC_LR = 40, 3e-5, 3e-4
 MAX_PROMPTS = 512
 
-SHIPPED_DMD = Path(__file__).resolve().parents[2] / "assets" / "toy_student_clips_dmd"
-COMMON = [
+# The causal LoRA's recipe: self_forcing of one expert's adapters at a time, the high-noise expert's
+# first, then the low-noise expert's with the high one's held (trained jointly, both fall after about
+# 300 steps; docs/streaming.md has both tables).
+LORA_RANK, LORA_PHASE_STEPS, LORA_LR, LORA_CRITIC_LR = 16, 300, 3e-4, 1e-4
+LORA_PHASES = ("high", "low")
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+SHIPPED_DMD = ASSETS / "toy_student_clips_dmd"
+SHIPPED_LORA = ASSETS / "toy_student_clips_lora"
+CLIP_SHAPE = [
     *("--data_path", "data/toy_video_prompts.txt", "--height", "32", "--width", "32", "--num_frames", "9"),
     *("--guidance_scale", "3", "--guidance_scale_2", "1.5", "--teacher_sample_steps", "20"),
-    *("--student_config", "config/student_toy_3layer.json", "--student_steps", "4", "--log_every", "25"),
+]
+RUN = [
+    *("--student_steps", "4", "--log_every", "25"),
     *("--checkpoint_every", "0", "--seed", "0", "--device", "cpu"),
 ]
+COMMON = [*CLIP_SHAPE, "--student_config", "config/student_toy_3layer.json", *RUN]
 
 
 def train(
@@ -127,6 +138,23 @@ def self_forcing_extra(
         *("--batch_size", "8", "--lr", str(lr), "--critic_lr", str(critic_lr)),
         *("--critic_updates", "5", "--max_prompts", str(max_prompts)),
         *(("--rollout_frames", str(rollout_frames)) if rollout_frames else ()),
+    ]
+
+
+def lora_phase_args(
+    teacher: Path | str, out: Path | str, phase: str, start: Path | str, cache: Path | str | None = None
+) -> list[str]:
+    """The trainer's arguments of one phase of the causal LoRA's recipe (its output: OUT/PHASE): the
+    adapters of `start` (the shipped bidirectional clip LoRA, or the high phase's lora/) made causal
+    in chunks of CHUNK, self_forcing of the `phase` expert's, data-free on MAX_PROMPTS prompts."""
+    return [
+        *CLIP_SHAPE,
+        *RUN,
+        *("--teacher_path", str(teacher), "--output_dir", str(Path(out) / phase)),
+        *("--cache_dir", str(cache or Path(out) / "cache"), "--method", "self_forcing"),
+        *("--student_lora_rank", str(LORA_RANK), "--student_lora_init", str(start)),
+        *("--student_chunk_frames", str(CHUNK), "--expert_phase", phase),
+        *("--num_steps", str(LORA_PHASE_STEPS), *self_forcing_extra(LORA_LR, LORA_CRITIC_LR)),
     ]
 
 

@@ -2,7 +2,7 @@
 full bars: the long proof behind the README's toy tables (`make proofs`; not in CI, whose tests score
 the shipped students and train each method briefly).
 
-    python -m distill.toy.proofs                      # all of them (about 85 min on 2 CPU cores)
+    python -m distill.toy.proofs                      # all of them (about 100 min on 2 CPU cores)
     python -m distill.toy.proofs --only dmd clips_dmd # some of them
     python -m distill.toy.proofs --ship               # and replace the shipped folders with the new runs
 
@@ -10,8 +10,9 @@ Students: the text-to-video ones of distill.toy.t2v_ship (dmd, lora, clips_dmd, 
 image-to-video ones of distill.toy.i2v_ship (i2v_dmd, i2v_lora) and the velocity stage-1 students
 the dmd students start from (stage1, clips_stage1: distill.toy.stage_one; i2v_stage1), and the
 toy user LoRA with the speed LoRA distilled against teacher + it (user_lora: distill.toy.user_lora,
-distill.toy.user_table; held to the four-row table's bars) and the causal streaming clip student
-(causal: distill.toy.causal_ship; held to the trained length's bars, its 3x stream's printed). Each run goes to
+distill.toy.user_table; held to the four-row table's bars) and the causal streaming clip students, a
+separate one and a causal LoRA (causal, causal_lora: distill.toy.causal_ship; held to the trained
+length's bars, their 3x streams' printed). Each run goes to
 outputs/proofs/NAME/; the shipped assets change only with --ship. A stage-1 student has no bars of
 its own: it must score, at 4 steps of the few-step sampler on the world's 216 prompts, within 0.05 of
 the shipped one it rebuilds. Prints one line per student and exits 1 when any bar is missed.
@@ -105,14 +106,16 @@ def prove_user_lora(work: Path, ship: bool) -> list[str]:
     return missed
 
 
-def prove_causal(work: Path, ship: bool) -> list[str]:
-    """Retrain the causal streaming clip student (both stages); the trained length's bars it misses."""
+def prove_causal(kind: str, work: Path, ship: bool) -> list[str]:
+    """Retrain a causal streaming clip student (the separate one, or the causal LoRA: both runs); the
+    trained length's bars it misses."""
     from distill.toy import causal_ship
 
-    exported, record = causal_ship.retrain(work)
-    print(causal_ship.table(record))
+    student = causal_ship.STUDENTS[kind]
+    exported, record = causal_ship.retrain(work, student)
+    print(causal_ship.table(record, student))
     if ship:
-        causal_ship.ship(exported, record)
+        causal_ship.ship(exported, record, student)
     return causal_ship.unmet(record["evaluation"]["bars"])
 
 
@@ -129,7 +132,9 @@ def proofs() -> dict[str, Callable[[Path, bool], list[str]]]:
     for kind in t2v_ship.RECIPES:
         found[kind] = lambda work, ship, kind=kind: prove_t2v(kind, work, ship)
     found["user_lora"] = prove_user_lora
-    found["causal"] = prove_causal  # starts from the shipped clips_dmd student
+    # from the shipped clips_dmd student, and from the shipped clips_lora
+    found["causal"] = lambda work, ship: prove_causal("full", work, ship)
+    found["causal_lora"] = lambda work, ship: prove_causal("lora", work, ship)
     return found
 
 
