@@ -518,6 +518,13 @@ def test_one_expert_at_a_time_trains_only_that_experts_adapter_and_the_low_phase
     second = adapters(low.student_dir)
     assert all(torch.equal(second[k], first[k]) for k in first if k.startswith("high."))  # kept frozen
     assert any(not torch.equal(second[k], first[k]) for k in first if k.startswith("low."))
+    # What each export says it is: the phase in its run settings, the expert it trained on its card.
+    for result, phase in ((high, "high"), (low, "low"), (fresh, None)):
+        settings = json.loads((result.student_dir / "run_settings.json").read_text())
+        assert settings.get("expert_phase") == phase
+        card = (result.student_dir / "README.md").read_text()
+        trained = [f"of the {w}-noise expert's adapters only" in card for w in ("high", "low")]
+        assert trained == [phase == "high", phase == "low"]
 
 
 @pytest.mark.parametrize(

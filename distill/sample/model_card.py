@@ -191,6 +191,19 @@ def _comfyui_lines(settings: RunSettings) -> list[str]:
     return lines
 
 
+def _trained(settings: RunSettings) -> str:
+    """How many optimizer steps trained what: a LoRA run of one expert's adapters (--expert_phase)
+    trained that expert's only, and holds the other's as its run started."""
+    steps = f"{settings.trained_steps} optimizer steps"
+    if settings.expert_phase is None:
+        return steps
+    other = {"high": "low", "low": "high"}[settings.expert_phase]
+    return (
+        f"{steps} of the {settings.expert_phase}-noise expert's adapters only; the {other}-noise "
+        "expert's are kept as the run started, from --student_lora_init or else at zero"
+    )
+
+
 def model_card_text(
     settings: RunSettings, kind: str, folder_ref: str, eval_result: Mapping[str, Any] | None = None
 ) -> str:
@@ -218,7 +231,7 @@ def model_card_text(
     elif kind == "lora":
         about = [
             f"LoRA adapters for both experts of `{teacher}` ({settings.method} distillation, "
-            f"{settings.trained_steps} optimizer steps): the teacher itself, one adapter per expert, one forward",
+            f"{_trained(settings)}): the teacher itself, one adapter per expert, one forward",
             "per step and no classifier-free guidance at sampling time. `comfyui/` holds the same adapters in",
             "Wan key names (`diffusion_model.blocks.N.self_attn.q.lora_down.weight`, with `.alpha`) for ComfyUI",
             "and other Wan-format tools; load the high-noise file on the high-noise model, the low-noise file",
@@ -227,8 +240,8 @@ def model_card_text(
     elif kind == "merged":
         experts = "the one transformer" if settings.one_transformer else "both experts"
         about = [
-            f"The LoRA student of `{teacher}` ({settings.method} distillation, {settings.trained_steps} "
-            f"optimizer steps) with its adapters merged into {experts}: standalone",
+            f"The LoRA student of `{teacher}` ({settings.method} distillation, {_trained(settings)}) "
+            f"with its adapters merged into {experts}: standalone",
             "`WanTransformer3DModel` weights, one forward per step and no classifier-free guidance at sampling",
             f"time. A pipeline folder: `{settings.pipeline_class}.from_pretrained` loads it with the teacher's text",
             "encoder, tokenizer and VAE (links to the teacher's folders) and the run's own scheduler.",

@@ -104,6 +104,10 @@ class RunSettings:
     """A causal student's chunk (latent frames; its folder's causal_config.json says the same): it
     streams chunk by chunk with `python -m distill.generate --stream`. None (and then not written):
     a bidirectional student."""
+    expert_phase: str | None = None
+    """A LoRA run of one expert's adapters (--expert_phase high or low): the other expert's adapters
+    are what the run started from (--student_lora_init, or none). None (and then not written): both
+    experts' adapters trained together, or a student of its own."""
     teacher_loras: list[dict[str, Any]] = field(default_factory=list)
     """The user's LoRAs fused into the teacher it was distilled against (--teacher_lora): each one's
     file, expert (transformer = high noise, transformer_2 = low noise), scale and sha256; [] for the
@@ -134,6 +138,8 @@ class RunSettings:
             del values["teacher_loras"]
         if self.chunk_frames is None:
             del values["chunk_frames"]
+        if self.expert_phase is None:
+            del values["expert_phase"]
         return json.dumps(values, indent=2, sort_keys=True) + "\n"
 
 
@@ -204,12 +210,17 @@ def settings_from_run(
         "teacher_kind": kind.name,
         "teacher_loras": [lora.record() for lora in getattr(info, "loras", ())],
         "chunk_frames": getattr(cfg, "student_chunk_frames", None) or None,
+        "expert_phase": _one_phase(getattr(cfg, "expert_phase", "both")),
     }
     unknown = set(method) - {f.name for f in fields(RunSettings)}
     if unknown:
         raise TypeError(f"unknown run settings: {sorted(unknown)}")
     values.update(method)
     return RunSettings(**values)
+
+
+def _one_phase(phase: str | None) -> str | None:
+    return None if phase in (None, "both") else phase
 
 
 def write_run_settings(settings: RunSettings, *folders: str | Path) -> list[Path]:
