@@ -133,24 +133,12 @@ STUDENTS = {
     ),
 }
 FULL = STUDENTS["full"]
-ASSET = FULL.asset
-
-
-def stage_args(
-    teacher: Path | str,
-    out: Path | str,
-    cache: Path | str | None = None,
-    start: Path | None = None,
-    student: CausalStudent = FULL,
-) -> list[list[str]]:
-    """The trainer's arguments of each of `student`'s runs, in order."""
-    return student.stages(teacher, out, cache, start)
 
 
 def commands(student: CausalStudent = FULL) -> list[str]:
     """The record's training commands, as run from the repository root."""
     ref = student.run_ref
-    runs = stage_args(TEACHER_REF, ref, f"{ref}-cache", student.start().relative_to(REPO), student)
+    runs = student.stages(TEACHER_REF, ref, f"{ref}-cache", student.start().relative_to(REPO))
     return ["python train_distillation.py " + " ".join(shlex.quote(a) for a in args) for args in runs]
 
 
@@ -296,7 +284,7 @@ def retrain(work: Path, student: CausalStudent = FULL) -> tuple[Path, dict[str, 
     teacher = write_toy_teacher(work / "teacher", overwrite=True)
     run = work / "run"
     shutil.rmtree(run, ignore_errors=True)  # a fresh run: the recipe is what gets shipped, not a resume
-    for args in stage_args(teacher, run, work / "cache", student=student):
+    for args in student.stages(teacher, run, work / "cache"):
         Distiller(parse_config(args)).run()
     exported = run / student.exported
     return exported, make_record(teacher, exported, student)
