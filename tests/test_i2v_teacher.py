@@ -132,7 +132,9 @@ def test_a_batch_keeps_each_sample_with_its_own_image(parts):
     for i in range(3):
         alone = image_condition(vae, images[i], FRAMES)
         one = teacher.velocity(x[i : i + 1], t[i : i + 1], texts[i : i + 1], uncond, condition=alone)
-        torch.testing.assert_close(batch[i : i + 1], one, rtol=1e-5, atol=1e-6)
+        # A row computed in a batch of 3 and alone sums in other orders: a few float32 ulps apart
+        # (1.1e-6 on one element of 512 on a CI run); a row with another's image is off by far more.
+        torch.testing.assert_close(batch[i : i + 1], one, rtol=1e-4, atol=1e-5)
     swapped = Condition(condition.channels.flip(0))
     assert not torch.allclose(teacher.velocity(x, t, texts, uncond, condition=swapped), batch, atol=1e-4)
 
