@@ -268,6 +268,19 @@ def environment(fault: str | None) -> dict[str, str]:
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 
 
+@dataclass(frozen=True)
+class Launcher:
+    """How a multi-rank run starts: the command before torchrun's arguments, and what runs the whole
+    command line (subprocess.run, or a function of its signature: the suite's forks a warm launcher,
+    tests/warm_torchrun.py)."""
+
+    command: Sequence[str] = TORCHRUN
+    run: Callable[..., subprocess.CompletedProcess] = subprocess.run
+
+
+AS_USERS_LAUNCH = Launcher()
+
+
 def command(nproc: int, flags: dict[str, str], launcher: Sequence[str] = TORCHRUN) -> list[str]:
     script = [str(REPO / "train_distillation.py"), *(item for pair in flags.items() for item in pair)]
     if nproc == 1:
@@ -296,15 +309,19 @@ def train_flags(workdir: Path, output_dir: Path, extra: dict[str, str]) -> dict[
 
 
 def run_trainer(
-    nproc: int, flags: dict[str, str], output_dir: Path, fault: str | None, launcher: Sequence[str] = TORCHRUN
+    nproc: int,
+    flags: dict[str, str],
+    output_dir: Path,
+    fault: str | None,
+    launcher: Launcher = AS_USERS_LAUNCH,
 ) -> Outcome:
-    line = command(nproc, flags, launcher)
-    proc = subprocess.run(line, env=environment(fault), capture_output=True, text=True, timeout=300, cwd=REPO)
+    line = command(nproc, flags, launcher.command)
+    proc = launcher.run(line, env=environment(fault), capture_output=True, text=True, timeout=300, cwd=REPO)
     return Outcome(proc.returncode, proc.stdout, proc.stderr, output_dir)
 
 
 def resume_problems(
-    nproc: int, flags: dict[str, str], output_dir: Path, launcher: Sequence[str] = TORCHRUN
+    nproc: int, flags: dict[str, str], output_dir: Path, launcher: Launcher = AS_USERS_LAUNCH
 ) -> list[str]:
     """The same command, without the fault: it must finish from what the failure left."""
     had = Outcome(0, "", "", output_dir).checkpoints()
@@ -333,7 +350,7 @@ def prepare(workdir: Path) -> Path:
 
 
 def run_scenario(
-    scenario: Scenario, workdir: Path, index: int, resume_launcher: Sequence[str] = TORCHRUN
+    scenario: Scenario, workdir: Path, index: int, resume_launcher: Launcher = AS_USERS_LAUNCH
 ) -> list[str]:
     """One run of `scenario` (launched as users launch) and its resume, whose multi-rank launch
     `resume_launcher` starts (the suite's: tests/warm_torchrun.py); the problems found (none: as expected)."""
@@ -415,7 +432,7 @@ def stress(
     hog: str,
     workdir: Path,
     say: Callable[[str], None] = print,
-    resume_launcher: Sequence[str] = TORCHRUN,
+    resume_launcher: Launcher = AS_USERS_LAUNCH,
 ) -> int:
     """Run each scenario `runs` times; returns the number of runs that did not end as expected.
 

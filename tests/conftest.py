@@ -213,9 +213,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Multi-rank launches: the runs that check what training computes (N ranks equal one process, sharded
 # equals whole) start their ranks warm (tests/warm_torchrun.py: torchrun itself, each rank forked after
-# the imports, ~5 CPU-s a rank saved); the runs that check failures launch as users do.
+# the imports, ~7 CPU-s a rank saved; run_command forks the launcher too, from a server per worker that
+# imported them once); the runs that check failures launch as users do.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 WARM_TORCHRUN = [sys.executable, str(REPO / "tests" / "warm_torchrun.py")]
+
+
+def run_command(command: list, **kwargs: object):
+    """subprocess.run(command, capture_output=True, text=True, **kwargs) (env, cwd, timeout); a
+    WARM_TORCHRUN launch is forked from a server that has imported the trainer (tests/warm_torchrun.py)."""
+    import warm_torchrun  # imports the trainer: not at conftest's import, which xdist's controller runs too
+
+    return warm_torchrun.run([str(part) for part in command], **kwargs)
+
+
+def start_command(command: list, **kwargs: object):
+    """subprocess.Popen(command, stdout=PIPE, stderr=PIPE, text=True, **kwargs) (env, cwd), forked warm
+    as run_command's."""
+    import warm_torchrun
+
+    return warm_torchrun.start([str(part) for part in command], **kwargs)
 
 
 def repo_pythonpath() -> str:

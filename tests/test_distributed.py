@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from conftest import REPO, WARM_TORCHRUN, repo_pythonpath, train_args
+from conftest import REPO, WARM_TORCHRUN, repo_pythonpath, run_command, train_args
 
 from train_distillation import main
 
@@ -20,13 +19,8 @@ def launch(args, nproc=None):
         command = [*WARM_TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"]
     else:
         command = [sys.executable]
-    proc = subprocess.run(
-        [*command, str(REPO / "train_distillation.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=REPO,
+    proc = run_command(
+        [*command, str(REPO / "train_distillation.py"), *map(str, args)], env=env, timeout=300, cwd=REPO
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

@@ -15,7 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, TORCHRUN, WARM_TORCHRUN, preempt_then_finish, repo_pythonpath, train_args
+from conftest import (
+    REPO,
+    TORCHRUN,
+    WARM_TORCHRUN,
+    preempt_then_finish,
+    repo_pythonpath,
+    run_command,
+    train_args,
+)
 from PIL import Image
 from safetensors.torch import load_file
 from test_distributed import assert_same_trajectory
@@ -85,9 +93,7 @@ def run_process(
         env["DISTILL_INJECT_FAULT"] = fault
     launcher = [*(TORCHRUN if fault else WARM_TORCHRUN), "--standalone", f"--nproc_per_node={nproc}"]
     command = [*(launcher if nproc else [sys.executable]), str(REPO / "train_distillation.py")]
-    return subprocess.run(
-        [*command, *map(str, args)], capture_output=True, text=True, env=env, timeout=240, cwd=REPO
-    )
+    return run_command([*command, *map(str, args)], env=env, timeout=240, cwd=REPO)
 
 
 def banner(capsys: pytest.CaptureFixture[str]) -> str:

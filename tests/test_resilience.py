@@ -12,12 +12,11 @@ import logging
 import math
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import REPO, TORCHRUN, WARM_TORCHRUN, repo_pythonpath, train_args
+from conftest import REPO, TORCHRUN, WARM_TORCHRUN, repo_pythonpath, run_command, train_args
 from safetensors.torch import load_file
 
 from distill.config.cli import parse_config
@@ -57,9 +56,7 @@ def run_process(args, fault=None, nproc=None, launcher_args=()):
         ]
     else:
         command = [sys.executable, str(REPO / "train_distillation.py")]
-    return subprocess.run(
-        [*command, *map(str, args)], capture_output=True, text=True, env=env, timeout=240, cwd=REPO
-    )
+    return run_command([*command, *map(str, args)], env=env, timeout=240, cwd=REPO)
 
 
 def student_weights(output_dir):

@@ -12,7 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, TEACHER_SHAPE, WARM_TORCHRUN, repo_pythonpath, tiny_student_file, train_args
+from conftest import (
+    REPO,
+    TEACHER_SHAPE,
+    WARM_TORCHRUN,
+    repo_pythonpath,
+    run_command,
+    tiny_student_file,
+    train_args,
+)
 from safetensors.torch import load_file
 from test_i2v_training import write_pairs
 
@@ -139,7 +147,7 @@ def launch_ranks(runs: list, tmp_path: Path, nproc: int = 2) -> subprocess.Compl
         for run in runs
     ]
     args_file.write_text(json.dumps(strings))
-    proc = subprocess.run(
+    proc = run_command(
         [
             *WARM_TORCHRUN,
             "--standalone",
@@ -147,8 +155,6 @@ def launch_ranks(runs: list, tmp_path: Path, nproc: int = 2) -> subprocess.Compl
             str(REPO / "tests" / "sequence_parallel_check.py"),
             str(args_file),
         ],
-        capture_output=True,
-        text=True,
         env={**__import__("os").environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"},
         timeout=300,
         cwd=REPO,

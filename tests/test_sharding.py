@@ -7,7 +7,7 @@ import os
 import socket
 import subprocess
 
-from conftest import REPO, WARM_TORCHRUN, repo_pythonpath, train_args
+from conftest import REPO, WARM_TORCHRUN, repo_pythonpath, run_command, start_command, train_args
 from test_distributed import assert_same_trajectory
 from test_teacher_lora import write_user_lora
 
@@ -21,7 +21,7 @@ def env() -> dict[str, str]:
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=300, cwd=REPO)
+    proc = run_command(command, env=env(), timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -59,7 +59,7 @@ def run_two_nodes(
     sizes = per_node if isinstance(per_node, tuple) else (per_node, per_node)
     port = _free_port()
     nodes = [
-        subprocess.Popen(
+        start_command(
             [
                 *WARM_TORCHRUN,
                 "--nnodes=2",
@@ -71,9 +71,6 @@ def run_two_nodes(
                 str(REPO / script),
                 *map(str, args),
             ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
             env=env(),
             cwd=REPO,
         )

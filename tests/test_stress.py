@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import WARM_TORCHRUN
+from conftest import WARM_TORCHRUN, run_command
 
 from distill import stress
 
@@ -32,7 +32,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("name", [*stress.SCENARIOS, stress.CHECKPOINT_KILL])
 def test_the_scenario_ends_the_same_way_every_time(workdir, name):
     report: list[str] = []
-    failures = stress.stress([name], 1, "never", workdir, say=report.append, resume_launcher=WARM_TORCHRUN)
+    warm = stress.Launcher(WARM_TORCHRUN, run_command)  # the resume; the failing run launches as users do
+    failures = stress.stress([name], 1, "never", workdir, say=report.append, resume_launcher=warm)
     assert failures == 0, "\n".join(report)
     assert report[-1].startswith(f"{name}: 1 of 1 runs as expected")
 
