@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -264,24 +264,19 @@ def environment(fault: str | None) -> dict[str, str]:
     return env
 
 
-# torchrun as users start it.
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
-
-
 @dataclass(frozen=True)
 class Launcher:
-    """How a multi-rank run starts: the command before torchrun's arguments, and what runs the whole
-    command line (subprocess.run, or a function of its signature: the suite's forks a warm launcher,
-    tests/warm_torchrun.py)."""
+    """How a multi-rank run starts: the command before torchrun's arguments (by default torchrun as
+    users start it), and what runs the whole command line (the suite's forks a warm launcher)."""
 
-    command: Sequence[str] = TORCHRUN
+    command: Sequence[str] = (sys.executable, "-m", "torch.distributed.run")
     run: Callable[..., subprocess.CompletedProcess] = subprocess.run
 
 
-AS_USERS_LAUNCH = Launcher()
+AS_USERS = Launcher()
 
 
-def command(nproc: int, flags: dict[str, str], launcher: Sequence[str] = TORCHRUN) -> list[str]:
+def command(nproc: int, flags: dict[str, str], launcher: Sequence[str] = AS_USERS.command) -> list[str]:
     script = [str(REPO / "train_distillation.py"), *(item for pair in flags.items() for item in pair)]
     if nproc == 1:
         return [sys.executable, *script]
@@ -309,11 +304,7 @@ def train_flags(workdir: Path, output_dir: Path, extra: dict[str, str]) -> dict[
 
 
 def run_trainer(
-    nproc: int,
-    flags: dict[str, str],
-    output_dir: Path,
-    fault: str | None,
-    launcher: Launcher = AS_USERS_LAUNCH,
+    nproc: int, flags: dict[str, str], output_dir: Path, fault: str | None, launcher: Launcher = AS_USERS
 ) -> Outcome:
     line = command(nproc, flags, launcher.command)
     proc = launcher.run(line, env=environment(fault), capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -321,7 +312,7 @@ def run_trainer(
 
 
 def resume_problems(
-    nproc: int, flags: dict[str, str], output_dir: Path, launcher: Launcher = AS_USERS_LAUNCH
+    nproc: int, flags: dict[str, str], output_dir: Path, launcher: Launcher = AS_USERS
 ) -> list[str]:
     """The same command, without the fault: it must finish from what the failure left."""
     had = Outcome(0, "", "", output_dir).checkpoints()
@@ -350,7 +341,7 @@ def prepare(workdir: Path) -> Path:
 
 
 def run_scenario(
-    scenario: Scenario, workdir: Path, index: int, resume_launcher: Launcher = AS_USERS_LAUNCH
+    scenario: Scenario, workdir: Path, index: int, resume_launcher: Launcher = AS_USERS
 ) -> list[str]:
     """One run of `scenario` (launched as users launch) and its resume, whose multi-rank launch
     `resume_launcher` starts (the suite's: tests/warm_torchrun.py); the problems found (none: as expected)."""
@@ -432,7 +423,7 @@ def stress(
     hog: str,
     workdir: Path,
     say: Callable[[str], None] = print,
-    resume_launcher: Launcher = AS_USERS_LAUNCH,
+    resume_launcher: Launcher = AS_USERS,
 ) -> int:
     """Run each scenario `runs` times; returns the number of runs that did not end as expected.
 
@@ -446,7 +437,7 @@ def stress(
         started = time.monotonic()
         for index in range(runs):
             busy = hog == "always" or (hog == "alternate" and index % 2 == 1)
-            with cpu_hog() if busy else _nothing():
+            with cpu_hog() if busy else nullcontext():
                 if name == CHECKPOINT_KILL:
                     problems = kill_during_checkpoint(workdir, index)
                 else:
@@ -461,11 +452,6 @@ def stress(
             f"({time.monotonic() - started:.0f} s)"
         )
     return failures
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 @entry_point
@@ -496,8 +482,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{scenario.name:22} {scenario.what}")
         print(f"{CHECKPOINT_KILL:22} one process saving every step; SIGKILL at a random moment")
         return 0
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
     try:  # before the first scenario starts
         check_paths([PathFlag("--workdir", args.workdir, Kind.OUTPUT_FOLDER)])
     except DistillError as error:
