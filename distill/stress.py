@@ -266,22 +266,23 @@ def environment(fault: str | None) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Launcher:
-    """How a multi-rank run starts: the command before torchrun's arguments (by default torchrun as
-    users start it), and what runs the whole command line (the suite's forks a warm launcher)."""
+    """How a run starts: the command before the script (by default python, and torchrun as users start
+    it for several ranks), and what runs the whole command line (the suite's forks a warm process)."""
 
     command: Sequence[str] = (sys.executable, "-m", "torch.distributed.run")
     run: Callable[..., subprocess.CompletedProcess] = subprocess.run
+    python: Sequence[str] = (sys.executable,)
 
 
 AS_USERS = Launcher()
 
 
-def command(nproc: int, flags: dict[str, str], launcher: Sequence[str] = AS_USERS.command) -> list[str]:
+def command(nproc: int, flags: dict[str, str], launcher: Launcher = AS_USERS) -> list[str]:
     script = [str(REPO / "train_distillation.py"), *(item for pair in flags.items() for item in pair)]
     if nproc == 1:
-        return [sys.executable, *script]
+        return [*launcher.python, *script]
     # A rank left waiting for a dead or hung peer is SIGKILLed this long after the first exit.
-    return [*launcher, "--standalone", f"--nproc_per_node={nproc}", "--shutdown-timeout=5", *script]
+    return [*launcher.command, "--standalone", f"--nproc_per_node={nproc}", "--shutdown-timeout=5", *script]
 
 
 def train_flags(workdir: Path, output_dir: Path, extra: dict[str, str]) -> dict[str, str]:
@@ -306,7 +307,7 @@ def train_flags(workdir: Path, output_dir: Path, extra: dict[str, str]) -> dict[
 def run_trainer(
     nproc: int, flags: dict[str, str], output_dir: Path, fault: str | None, launcher: Launcher = AS_USERS
 ) -> Outcome:
-    line = command(nproc, flags, launcher.command)
+    line = command(nproc, flags, launcher)
     proc = launcher.run(line, env=environment(fault), capture_output=True, text=True, timeout=300, cwd=REPO)
     return Outcome(proc.returncode, proc.stdout, proc.stderr, output_dir)
 
@@ -328,14 +329,14 @@ def resume_problems(
     return problems
 
 
-def prepare(workdir: Path) -> Path:
+def prepare(workdir: Path, launcher: Launcher = AS_USERS) -> Path:
     """The tiny teacher and a warm prompt-embedding / latent cache, shared by every run."""
     from distill.models.tiny import write_tiny_teacher
 
     if not (workdir / "teacher").exists():
         write_tiny_teacher(workdir / "teacher", seed=0)
-        warm = run_trainer(1, train_flags(workdir, workdir / "warm", {"--num_steps": "1"}), workdir, None)
-        if warm.returncode != 0:
+        flags = train_flags(workdir, workdir / "warm", {"--num_steps": "1"})
+        if (warm := run_trainer(1, flags, workdir, None, launcher)).returncode != 0:
             raise RuntimeError(f"the warm-up run failed:\n{warm.stderr[-3000:]}")
     return workdir
 
@@ -363,7 +364,7 @@ def keep_stderr(outcome: Outcome, name: str) -> Path:
     return path
 
 
-def kill_during_checkpoint(workdir: Path, index: int, seed: int | None = None) -> list[str]:
+def kill_during_checkpoint(workdir: Path, index: int, resume_launcher: Launcher = AS_USERS) -> list[str]:
     """SIGKILL a run that saves a checkpoint every step at a random moment; resume must find a whole one.
 
     The moment is drawn over the stretch in which the run saves, so most kills land inside a save
@@ -371,7 +372,7 @@ def kill_during_checkpoint(workdir: Path, index: int, seed: int | None = None) -
     """
     from distill.train.checkpoint import checkpoint_root, complete_checkpoints, load_checkpoint
 
-    rng = random.Random(seed if seed is not None else index)
+    rng = random.Random(index)
     output_dir = workdir / f"{CHECKPOINT_KILL}-{index}"
     shutil.rmtree(output_dir, ignore_errors=True)
     flags = train_flags(workdir, output_dir, {"--num_steps": "40", "--checkpoint_every": "1"})
@@ -391,7 +392,7 @@ def kill_during_checkpoint(workdir: Path, index: int, seed: int | None = None) -
             load_checkpoint(path)
         except Exception as exc:  # noqa: BLE001 - any failure to load is the finding
             problems.append(f"{path.name} is marked complete but does not load: {type(exc).__name__}: {exc}")
-    return problems or resume_problems(1, {**flags, "--num_steps": "41"}, output_dir)
+    return problems or resume_problems(1, {**flags, "--num_steps": "41"}, output_dir, resume_launcher)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +431,7 @@ def stress(
     A busy process on every core runs beside the runs `hog` selects ("always", "alternate", "never").
     `resume_launcher`: see run_scenario.
     """
-    prepare(workdir)
+    prepare(workdir, resume_launcher)
     failures = 0
     for name in names:
         failed = 0
@@ -439,7 +440,7 @@ def stress(
             busy = hog == "always" or (hog == "alternate" and index % 2 == 1)
             with cpu_hog() if busy else nullcontext():
                 if name == CHECKPOINT_KILL:
-                    problems = kill_during_checkpoint(workdir, index)
+                    problems = kill_during_checkpoint(workdir, index, resume_launcher)
                 else:
                     problems = run_scenario(SCENARIOS[name], workdir, index, resume_launcher)
             if problems:

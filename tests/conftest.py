@@ -217,6 +217,8 @@ REPO = Path(__file__).resolve().parents[1]
 # imported them once); the runs that check failures launch as users do.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 WARM_TORCHRUN = [sys.executable, str(REPO / "tests" / "warm_torchrun.py")]
+# One process started the same way (run_command): `python SCRIPT ARGS` as [*WARM_PYTHON, SCRIPT, ARGS].
+WARM_PYTHON = [*WARM_TORCHRUN, "--python"]
 
 
 def run_command(command: list, **kwargs: object):

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TORCHRUN, WARM_TORCHRUN, repo_pythonpath, run_command, train_args
+from conftest import REPO, TORCHRUN, WARM_PYTHON, WARM_TORCHRUN, repo_pythonpath, run_command, train_args
 from safetensors.torch import load_file
 
 from distill.config.cli import parse_config
@@ -33,7 +33,7 @@ def run_inprocess(args):
     return Distiller(parse_config(args)).run()
 
 
-def run_process(args, fault=None, nproc=None, launcher_args=()):
+def run_process(args, fault=None, nproc=None, launcher_args=(), warm=False):
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it, workers restarted by --max-restarts can fail or hang
     # in init_process_group on stale keys of the shared store (torch 2.13/2.14).
     env = {
@@ -54,8 +54,8 @@ def run_process(args, fault=None, nproc=None, launcher_args=()):
             "--shutdown-timeout=10",
             str(REPO / "train_distillation.py"),
         ]
-    else:
-        command = [sys.executable, str(REPO / "train_distillation.py")]
+    else:  # one process; `warm`: forked after the imports (for a run that is no failure)
+        command = [*(WARM_PYTHON if warm else [sys.executable]), str(REPO / "train_distillation.py")]
     return run_command([*command, *map(str, args)], env=env, timeout=240, cwd=REPO)
 
 
@@ -74,10 +74,10 @@ def checkpoints(output_dir):
 
 def test_sigterm_saves_at_current_step_and_the_rerun_ends_bitwise_equal(tiny_teacher, shared_cache, tmp_path):
     common = dict(num_steps=6, checkpoint_every=100)
-    # Same process kind and thread count as the interrupted run, so the float arithmetic is the same.
-    assert (
-        run_process(train_args(tiny_teacher, tmp_path / "straight", shared_cache, **common)).returncode == 0
-    )
+    # A process of one thread as the interrupted run (there started as users do), so the float
+    # arithmetic is the same.
+    straight = run_process(train_args(tiny_teacher, tmp_path / "straight", shared_cache, **common), warm=True)
+    assert straight.returncode == 0, straight.stderr[-2000:]
 
     out = tmp_path / "preempted"
     first = run_process(train_args(tiny_teacher, out, shared_cache, **common), fault="sigterm:3")
@@ -86,7 +86,7 @@ def test_sigterm_saves_at_current_step_and_the_rerun_ends_bitwise_equal(tiny_tea
     assert checkpoints(out) == ["step_00000003"]
     assert not (out / "student").exists()  # an unfinished run exports nothing
 
-    second = run_process(train_args(tiny_teacher, out, shared_cache, **common))
+    second = run_process(train_args(tiny_teacher, out, shared_cache, **common), warm=True)
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" in second.stderr and "step_00000003" in second.stderr
     a, b = student_weights(tmp_path / "straight"), student_weights(out)

@@ -17,23 +17,25 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import WARM_TORCHRUN, run_command
+from conftest import WARM_PYTHON, WARM_TORCHRUN, run_command
 
 from distill import stress
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
+# The warm-up run and every resume: what they check is what the checkpoint folder holds, not how a run
+# starts (the failing runs launch as users do).
+WARM = stress.Launcher(WARM_TORCHRUN, run_command, WARM_PYTHON)
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory):
-    return stress.prepare(tmp_path_factory.mktemp("stress"))
+    return stress.prepare(tmp_path_factory.mktemp("stress"), WARM)
 
 
 @pytest.mark.parametrize("name", [*stress.SCENARIOS, stress.CHECKPOINT_KILL])
 def test_the_scenario_ends_the_same_way_every_time(workdir, name):
     report: list[str] = []
-    warm = stress.Launcher(WARM_TORCHRUN, run_command)  # the resume; the failing run launches as users do
-    failures = stress.stress([name], 1, "never", workdir, say=report.append, resume_launcher=warm)
+    failures = stress.stress([name], 1, "never", workdir, say=report.append, resume_launcher=WARM)
     assert failures == 0, "\n".join(report)
     assert report[-1].startswith(f"{name}: 1 of 1 runs as expected")
 

@@ -48,6 +48,10 @@ HERE = Path(__file__).resolve()
 IMPORTED_IN = os.getpid()
 # The command line of a warm launch: `run` recognises it and forks it instead of starting it.
 COMMAND = (sys.executable, str(HERE))
+# A single process run warm: `python tests/warm_torchrun.py --python SCRIPT ARGS...` runs SCRIPT as
+# `python SCRIPT ARGS...` would, after the imports (for runs that check what a run computes or
+# leaves, not how a process starts).
+PYTHON = "--python"
 
 
 def rank_main(script: str, *args: str) -> None:
@@ -62,6 +66,10 @@ def rank_main(script: str, *args: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == [PYTHON]:
+        sys.argv = argv[1:]
+        runpy.run_path(argv[1], run_name="__main__")
+        return
     # torchrun's --run-path calls this module's run_script_path(script, *args) in each rank
     torchrun.run_script_path = rank_main
     torchrun.main(["--run-path", "--start-method", "fork", *argv])
