@@ -2,13 +2,11 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, repo_pythonpath, train_args
+from conftest import REPO, WARM_PYTHON, repo_pythonpath, run_command, train_args
 from diffusers import WanPipeline, WanTransformer3DModel
 from safetensors.torch import load_file
 
@@ -253,14 +251,12 @@ def test_bad_student_config_exits_non_zero_with_message(tiny_teacher, tmp_path):
     bad = tmp_path / "student.json"
     bad.write_text(json.dumps({"hidden_size": 256, "depth": 4, "num_heads": 4, "num_channels": 4}))
     env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
-    proc = subprocess.run(
+    proc = run_command(  # the command's exit code and stderr, in a process forked after the imports
         [
-            sys.executable,
+            *WARM_PYTHON,
             str(REPO / "train_distillation.py"),
             *train_args(tiny_teacher, tmp_path / "out", tmp_path / "c", student_config=bad),
         ],
-        capture_output=True,
-        text=True,
         env=env,
         timeout=120,
     )
