@@ -28,6 +28,7 @@ import multiprocessing.forkserver
 import os
 import resource
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,33 +146,32 @@ class WarmLaunch:
         self.args = [*COMMAND, *map(str, argv)]
         self.returncode: int | None = None
         self._files = Path(tempfile.mkdtemp(prefix="warm-launch-"))
-        names = [str(self._files / name) for name in ("stdout", "stderr", "cpu")]
+        self._out, self._err, self._cpu = (self._files / name for name in ("stdout", "stderr", "cpu"))
         environment = dict(os.environ if env is None else env)
+        files = map(str, (self._out, self._err, self._cpu))
         self._process = _server().Process(
-            target=_launcher, args=([*map(str, argv)], environment, str(cwd or os.getcwd()), *names)
+            target=_launcher, args=([*map(str, argv)], environment, str(cwd or os.getcwd()), *files)
         )
         self._process.start()
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """(stdout, stderr) once the launch has ended; subprocess.TimeoutExpired after `timeout`
         seconds, the launcher and its ranks killed first."""
-        self._process.join(timeout)
-        if self._process.exitcode is None:
-            try:
-                os.killpg(self._process.pid, signal.SIGKILL)
-            except ProcessLookupError:  # not yet in a group of its own
-                self._process.kill()
-            self._process.join()
-            raise subprocess.TimeoutExpired(self.args, timeout or 0)
-        self.returncode = self._process.exitcode
-        out, err, cpu = (self._files / name for name in ("stdout", "stderr", "cpu"))
-        texts = out.read_text(errors="replace"), err.read_text(errors="replace")
-        if cpu.is_file():
-            _charge(float(cpu.read_text()))
-        for path in (out, err, cpu):
-            path.unlink(missing_ok=True)
-        self._files.rmdir()
-        return texts
+        try:
+            self._process.join(timeout)
+            if self._process.exitcode is None:
+                try:
+                    os.killpg(self._process.pid, signal.SIGKILL)
+                except ProcessLookupError:  # not yet in a group of its own
+                    self._process.kill()
+                self._process.join()
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            self.returncode = self._process.exitcode
+            if self._cpu.is_file():
+                _charge(float(self._cpu.read_text()))
+            return self._out.read_text(errors="replace"), self._err.read_text(errors="replace")
+        finally:
+            shutil.rmtree(self._files, ignore_errors=True)
 
 
 def _charge(seconds: float) -> None:
