@@ -37,12 +37,19 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+# What a rank imports at its start (torch, diffusers, peft, transformers), once, before the ranks are
+# forked; and what it imports only when it gets there: the VAE and the pipelines (the caches, the
+# samples) and matplotlib (loss.png, at every run's end). Left to each launch, those last were 2% of
+# the suite's CPU (a profile of `make test`: 1.3% matplotlib, 0.8% the VAE and the pipelines).
+from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline  # noqa: F401
 from torch.distributed import run as torchrun
 
-# What a rank imports (torch, diffusers, peft, transformers), once, before the ranks are forked.
 import distill.train.diagnose  # noqa: F401
 import distill.train.trainer  # noqa: F401
 import train_distillation  # noqa: F401
+from distill.sample.media import pyplot
+
+pyplot()  # matplotlib with the backend the trainer sets
 
 HERE = Path(__file__).resolve()
 # The process that imported this module: the launches' server, when the imports above were paid once.
