@@ -22,7 +22,7 @@ from distill.data.image_latents import ImageLatentCache, image_latent_cache
 from distill.data.images import ImagePrompt
 from distill.data.samples import TrainingSample
 from distill.models.flow_matching import NUM_TRAIN_TIMESTEPS
-from distill.models.teacher import TeacherInfo, free, load_text_encoder
+from distill.models.teacher import TeacherInfo, empty_device_cache, load_text_encoder
 from distill.models.teacher_kind import I2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
 
@@ -112,7 +112,8 @@ def fill_embedding_cache(
             truncated,
             max_length,
         )
-    free(pipe)
+    pipe = None  # its last reference (shared with `encode`): the text encoder is freed here
+    empty_device_cache()
     return built
 
 

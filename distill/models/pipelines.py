@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from distill.models.teacher import free
+from distill.models.teacher import empty_device_cache
 from distill.models.teacher_kind import I2V_A14B, T2V_A14B, TeacherKind
 from distill.ops.errors import DistillError, Stage
 
@@ -113,7 +113,8 @@ def encode_prompts(
     with torch.no_grad():
         embeds = encode_on_needed_tokens(pipe, unique, max_sequence_length, device, dtype=dtype)[0]
     result = {prompt: embed.cpu() for prompt, embed in zip(unique, embeds)}
-    free(pipe, tokenizer, encoder)
+    del pipe, tokenizer, encoder, embeds
+    empty_device_cache()
     return result
 
 
@@ -456,7 +457,8 @@ def teacher_vae(teacher_path: str | Path, device: torch.device) -> Iterator[Any]
     try:
         yield vae
     finally:
-        free(vae)
+        del vae  # the caller's `as` name goes when its function returns
+        empty_device_cache()
 
 
 def decode_with_teacher_vae(
@@ -465,5 +467,8 @@ def decode_with_teacher_vae(
     """Decode several latents with the teacher's VAE, loaded for this call only."""
     if not latents:
         return []
-    with teacher_vae(teacher_path, device) as vae:
-        return [decode_latents(z, vae) for z in latents]
+    vae = load_vae(teacher_path, device)
+    frames = [decode_latents(z, vae) for z in latents]
+    del vae
+    empty_device_cache()
+    return frames
