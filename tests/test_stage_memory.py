@@ -2,9 +2,9 @@
 
 The text encoder (with its pipeline) and the VAE are loaded for one stage and dropped after it:
 reference counting frees them there, since they hold no reference cycle, and
-`distill.models.teacher.empty_device_cache` then only gives their blocks back to the device. Here the
-collector is off while a stage runs: a model left alive after it (a cycle, or a reference kept
-somewhere) would hold a 14B run's text encoder or VAE on the device for the rest of the run.
+`distill.models.teacher.empty_device_cache` gives their blocks back to the device (on the CPU it runs
+no collection). Here the collector is off while a stage runs: a model left alive after it (a cycle,
+or a reference kept somewhere) would hold a 14B run's text encoder or VAE for the rest of the run.
 """
 
 from __future__ import annotations
