@@ -490,14 +490,10 @@ def place_expert(model: Any, device: torch.device, on_cpu: bool, shard_over: int
 
 
 def empty_device_cache() -> None:
-    """Give the blocks of a finished stage's models back to the device, once the caller has dropped
-    its last references to them (`del`): reference counting frees the text encoder, its pipeline and
-    the VAE there and then, as they hold no reference cycle (tests/test_stage_memory.py).
-
-    On CUDA a collection still runs first: garbage in a cycle anywhere in the process would otherwise
-    hold device memory until the collector's own schedule, and the next stage loads gigabytes. On the
-    CPU it would free nothing that matters, at a quarter of a second or more a call in a process
-    holding models (at every sample decoded during training; 5% of the suite's CPU)."""
+    """Give a finished stage's blocks back to the device once the caller has dropped its last
+    references (`del`): the text encoder, its pipeline and the VAE hold no reference cycle, so they
+    are freed there (tests/test_stage_memory.py). On CUDA a collection runs first, lest a cycle
+    elsewhere hold device memory the next stage needs; on the CPU it would cost 0.25 s a call."""
     if torch.cuda.is_available():
         gc.collect()
         torch.cuda.empty_cache()
