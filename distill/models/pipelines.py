@@ -467,8 +467,7 @@ def decode_with_teacher_vae(
     """Decode several latents with the teacher's VAE, loaded for this call only."""
     if not latents:
         return []
-    vae = load_vae(teacher_path, device)
-    frames = [decode_latents(z, vae) for z in latents]
-    del vae
-    empty_device_cache()
+    with teacher_vae(teacher_path, device) as vae:
+        frames = [decode_latents(z, vae) for z in latents]
+        del vae  # this name too: the VAE is freed as the block ends, before the device cache is emptied
     return frames
