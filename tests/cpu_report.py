@@ -10,6 +10,7 @@ the suite, so cutting the suite's time means cutting these numbers.
 from __future__ import annotations
 
 import resource
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -17,6 +18,13 @@ import pytest
 
 KEY = "cpu_seconds"  # the report's user property: the phases' CPU seconds, one entry per phase
 SHOWN = 15
+# The machine's own speed, measured after the suite: nearly the same code cost 1,225 CPU s one day and
+# 2,391 another on this CI machine, so a suite's CPU means little without it. The reference is
+# interpreted Python (a loop of small float operations), the kind of work the tiny models' many small
+# kernels and the libraries' imports make of much of the suite. Best of a few tries: a try that
+# shares its core with something else is slower, never faster.
+REFERENCE_LOOPS = 5_000_000
+REFERENCE_TRIES = 3
 
 
 # CPU seconds of processes a test waited for that were not its children (tests/warm_torchrun.py's
@@ -36,6 +44,18 @@ def cpu_seconds() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _charged
+
+
+def reference_seconds() -> float:
+    """CPU seconds of the reference workload on this machine (the best of REFERENCE_TRIES)."""
+    best = float("inf")
+    for _ in range(REFERENCE_TRIES):
+        start = time.process_time()
+        total = 0.0
+        for i in range(REFERENCE_LOOPS):
+            total += (i % 7) * 0.5
+        best = min(best, time.process_time() - start)
+    return best
 
 
 def register(config: pytest.Config) -> None:
@@ -83,3 +103,8 @@ class CpuReport:
         )
         for module, seconds in self.by_module.most_common(SHOWN):
             terminalreporter.write_line(f"{seconds:8.1f}  {module}")
+        reference = reference_seconds()
+        terminalreporter.write_line(
+            f"this machine's reference loop: {reference:.3f} CPU s (lower is faster); the CPU above is "
+            f"{total / reference:.0f} such loops, a rough unit to compare runs on machines of other speeds"
+        )
