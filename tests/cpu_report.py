@@ -18,11 +18,13 @@ import pytest
 
 KEY = "cpu_seconds"  # the report's user property: the phases' CPU seconds, one entry per phase
 SHOWN = 15
-# The machine's own speed, measured after the suite: nearly the same code cost 1,225 CPU s one day and
-# 2,391 another on this CI machine, so a suite's CPU means little without it. The reference is
-# interpreted Python (a loop of small float operations), the kind of work the tiny models' many small
-# kernels and the libraries' imports make of much of the suite. Best of a few tries: a try that
-# shares its core with something else is slower, never faster.
+# The machine's own speed, measured before and after the suite: nearly the same code cost 1,225 CPU s
+# one day and 2,391 another on this CI machine, so a suite's CPU means little without it. The
+# reference is interpreted Python (a loop of small float operations), the kind of work the tiny
+# models' many small kernels and the libraries' imports make of much of the suite. Best of a few
+# tries: a try that shares its core with something else is slower, never faster. Its speed moves
+# within one run too (0.55 and 0.40 s after two runs of nearly the same tree an hour apart): the two ends show
+# by how much, and the suite's CPU in loops is a rough unit only.
 REFERENCE_LOOPS = 5_000_000
 REFERENCE_TRIES = 3
 
@@ -69,6 +71,11 @@ class CpuReport:
 
     def __init__(self) -> None:
         self.by_module: Counter[str] = Counter()
+        self.reference_at_start: float | None = None
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        if not hasattr(session.config, "workerinput"):  # the controller (or the one process), not a worker
+            self.reference_at_start = reference_seconds()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Iterator[None]:
@@ -103,8 +110,10 @@ class CpuReport:
         )
         for module, seconds in self.by_module.most_common(SHOWN):
             terminalreporter.write_line(f"{seconds:8.1f}  {module}")
-        reference = reference_seconds()
+        at_end = reference_seconds()
+        at_start = self.reference_at_start or at_end
+        reference = (at_start + at_end) / 2
         terminalreporter.write_line(
-            f"this machine's reference loop: {reference:.3f} CPU s (lower is faster); the CPU above is "
-            f"{total / reference:.0f} such loops, a rough unit to compare runs on machines of other speeds"
+            f"this machine's reference loop: {at_start:.3f} CPU s before the tests, {at_end:.3f} after "
+            f"(lower is faster); the CPU above is {total / reference:.0f} such loops, a rough unit"
         )
