@@ -60,6 +60,17 @@ def reference_seconds() -> float:
     return best
 
 
+def speed_line(total: float, at_start: float | None, at_end: float) -> str:
+    """The report's last line: the reference loop's CPU seconds at both ends of the run (the start is
+    missing where the session did not measure it) and `total` CPU seconds in loops of their mean."""
+    before = f"{at_start:.3f}" if at_start is not None else "not measured"
+    reference = (at_start + at_end) / 2 if at_start is not None else at_end
+    return (
+        f"this machine's reference loop: {before} CPU s before the tests, {at_end:.3f} after "
+        f"(lower is faster); the CPU above is {total / reference:.0f} such loops, a rough unit"
+    )
+
+
 def register(config: pytest.Config) -> None:
     config.pluginmanager.register(CpuReport(), "cpu_report")
 
@@ -110,10 +121,4 @@ class CpuReport:
         )
         for module, seconds in self.by_module.most_common(SHOWN):
             terminalreporter.write_line(f"{seconds:8.1f}  {module}")
-        at_end = reference_seconds()
-        at_start = self.reference_at_start or at_end
-        reference = (at_start + at_end) / 2
-        terminalreporter.write_line(
-            f"this machine's reference loop: {at_start:.3f} CPU s before the tests, {at_end:.3f} after "
-            f"(lower is faster); the CPU above is {total / reference:.0f} such loops, a rough unit"
-        )
+        terminalreporter.write_line(speed_line(total, self.reference_at_start, reference_seconds()))
