@@ -157,3 +157,38 @@ def test_open_stream_gives_each_chunk_as_it_is_made_and_refuses_what_generate_re
     python[python.index("--student") + 1] = str(bidirectional)
     with pytest.raises(DistillError, match="--stream needs a causal student"):
         generate.open_stream(python)
+
+
+class StepClock:
+    """A perf_counter that moves only when told: the time a test gives each part of a stream."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_the_first_frames_arrive_when_decoded_not_when_the_file_has_them(
+    causal_student: Path, tiny_teacher: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Time to first frame is the sampler's (the first chunk decoded); the writer's time (the first
+    ffmpeg of a process: 0.2-0.5 s) counts in the clip's total only. The clock moves only in the writer
+    here, 10 s a chunk, so the sampler's own time is 0."""
+    clock = StepClock()
+    monkeypatch.setattr(stream_module, "time", clock)
+    add = stream_module._FrameWriter.add
+
+    def slow_add(self, frames: np.ndarray) -> None:
+        clock.now += 10.0
+        add(self, frames)
+
+    monkeypatch.setattr(stream_module._FrameWriter, "add", slow_add)
+    argv = stream_args(causal_student, tiny_teacher, tmp_path / "ball", "--num_frames", "33")
+    python = [a for a in argv if a not in ("--stream", "--output", str(tmp_path / "ball"))]
+    opened = generate.open_stream(python)
+    path, report = opened.streamer.stream(0, opened.prompts[0], 0, tmp_path / "ball")
+    assert path.exists() and report.chunks == 3 and report.first_frames == 9
+    assert report.time_to_first_frame == 0.0
+    assert report.total == 30.0
+    assert "first 9 frames after 0.00 s (0% of the clip's time)" in report.line(0)
