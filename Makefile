@@ -59,9 +59,10 @@ demo: $(STAMP)
 # The same on VIDEO: the moving toy world's 9-frame clips, dmd into a 4-step student that starts from
 # the teacher's high-noise expert (where a clip's motion is settled; docs/toy-world.md, the moving
 # world), against the teacher at its own clip guidance (3 / 1.5: at 4 / 3 its slow clips run fast),
-# then the report with the motion figures and toy_clips.gif. About 4 min on 2 CPU cores (dmd reads no
-# clean latent: the teacher samples only its 16 reference prompts, for the drift and motion metrics; the
-# cache is rebuilt every time, as make demo's is, so a demo just runs).
+# then the report (the motion figures in eval.json and in a table at the end, toy_clips.gif). About
+# 4 min on 2 CPU cores (dmd reads no clean latent: the teacher samples only its 16 reference prompts,
+# for the drift and motion metrics; the cache is rebuilt every time, as make demo's is, so a demo just
+# runs).
 CLIPS_OUT := outputs/demo-clips
 demo-clips: $(STAMP)
 	$(PY) download_wan.py --toy $(DEMO_TEACHER) --overwrite

@@ -442,7 +442,10 @@ def main(argv: list[str] | None = None) -> int:
             f"at {sampler['teacher_steps']}; the teacher itself at {short['steps']} steps: {short['latent_mse']:.4g}"
         )
     ranges = ", ".join(
+        # A range no probe fell in has no mean (NaN in eval.json): said in words, with the fix.
         f"{name.replace('_', '-')} {part['mse']:.4g}"
+        if part["count"]
+        else f"{name.replace('_', '-')} not probed (no probe timestep in its range: more --num_buckets)"
         for name, part in denoiser["by_expert"].items()
         if name != "transformer"  # one transformer: its one range is the whole
     )
@@ -452,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{cost['speedup_seconds']:.2f}x time, {cost['speedup_forwards']:.1f}x forwards\n"
         f"wrote {Path(args.output_dir) / 'eval.json'} and eval.png"
     )
+    if "toy" in result:
+        from distill.report.toy_report import toy_table
+
+        print(toy_table(result["toy"]))
     return 0
 
 

@@ -12,7 +12,7 @@ import torch
 
 from distill.ops.errors import DistillError, Stage
 from distill.toy import world
-from distill.toy.evaluation import EVAL_PROMPTS, toy_report
+from distill.toy.evaluation import EVAL_PROMPTS, score_table, toy_report
 
 
 def toy_prompt_count(requested: int | None, teacher_path: str | Path) -> int:
@@ -80,6 +80,32 @@ def add_toy_report(
     )
     write_report(result, output_dir)
     return result
+
+
+# The report's toy rows, in the order the table shows them, with the name each row is shown under.
+TOY_ROWS = (
+    ("teacher", "teacher"),
+    ("teacher_at_student_steps", "teacher at the student's steps"),
+    ("student", "student"),
+)
+
+
+def toy_table(toy: dict[str, Any]) -> str:
+    """The toy world's scores of an eval.json ("toy") as the docs' tables show them: accuracy and
+    diversity gap per model, and for clips direction, speed and motion ratio. The report's
+    denoiser and sampler MSEs compare samples to the teacher's one by one, which a dmd student is not
+    trained to match: these scores are what says whether it draws the world."""
+    rows = [
+        toy[key] | {"model": name, "guidance": toy[key]["guidance_scale"]}
+        for key, name in TOY_ROWS
+        if key in toy
+    ]
+    clips = toy.get("num_frames", 1) > 1
+    count = rows[0]["count"] if rows else 0
+    return (
+        f"toy world, {count} {'clip ' if clips else ''}prompts, the same noise for every row:\n"
+        + score_table(rows, clips)
+    )
 
 
 MEDIA_COLUMNS = 8

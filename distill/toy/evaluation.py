@@ -14,7 +14,7 @@ in batches. Prompt i starts from the noise of seed `seed + i` (`distill.models.p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -332,3 +332,34 @@ def calibrate(teacher_path: str | Path, count: int = 96, clips: bool = False) ->
 
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
+
+
+def score_table(rows: Sequence[Mapping[str, Any]], clips: bool) -> str:
+    """A markdown table of toy score rows (each with its `model`, `steps` and `guidance`): accuracy and
+    diversity gap, and for clips direction, speed and motion ratio."""
+    head = "| model | steps | guidance | accuracy | diversity gap |"
+    rule = "|---|---:|---:|---:|---:|"
+    if clips:
+        head += " direction | speed | motion ratio |"
+        rule += "---:|---:|---:|"
+    lines = [head, rule]
+    for r in rows:
+        cells = [
+            r["model"],
+            str(r["steps"]),
+            " / ".join(f"{g:g}" for g in r["guidance"]),
+            f"{r['accuracy']:.2f}",
+            _cell(r["diversity_gap"]),
+        ]
+        if clips:
+            cells += [
+                _cell(r["per_attribute"]["direction"]),
+                _cell(r["per_attribute"]["speed"]),
+                _cell(r.get("motion_ratio")),
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

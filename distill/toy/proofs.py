@@ -38,10 +38,11 @@ USER_WORLD_FLOOR = 0.9
 def prove_t2v(kind: str, work: Path, ship: bool) -> list[str]:
     """Retrain a text-to-video student; the bars it misses."""
     from distill.toy import t2v_ship
-    from distill.toy.t2v_students import table, unmet
+    from distill.toy.evaluation import score_table
+    from distill.toy.t2v_students import unmet
 
     exported, record = t2v_ship.retrain(kind, work)
-    print(table(record["evaluation"]["rows"], kind in t2v_ship.CLIPS))
+    print(score_table(record["evaluation"]["rows"], kind in t2v_ship.CLIPS))
     if ship:
         t2v_ship.ship(kind, exported, record)
     return unmet(record["evaluation"]["bars"])

@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from distill.toy.t2v_students import table, unmet
+    from distill.toy.evaluation import score_table
+    from distill.toy.t2v_students import unmet
 
     torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared machine
     work = Path(args.work_dir or f"outputs/toy-ship-{args.retrain}").absolute()
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     dest = ship(args.retrain, exported, record, None if args.output is None else Path(args.output).absolute())
     evaluation = record["evaluation"]
     print(dest)
-    print(table(evaluation["rows"], args.retrain in CLIPS))
+    print(score_table(evaluation["rows"], args.retrain in CLIPS))
     missed = unmet(evaluation["bars"])
     print("bars: " + ("all met" if not missed else "NOT MET: " + "; ".join(missed)))
     print(json.dumps({name: b["met"] for name, b in evaluation["bars"].items()}))

@@ -40,6 +40,7 @@ from distill.toy.evaluation import (
     load_parts,
     sample_pictures,
     score_pictures,
+    score_table,
 )
 
 STEPS = (4, 1)
@@ -196,36 +197,6 @@ def unmet(found: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return [f"{name} {b['value']} ({b['limit']})" for name, b in found.items() if not b["met"]]
 
 
-def table(rows: Sequence[Mapping[str, Any]], clips: bool) -> str:
-    """A markdown table of `rows`."""
-    head = "| model | steps | guidance | accuracy | diversity gap |"
-    rule = "|---|---:|---:|---:|---:|"
-    if clips:
-        head += " direction | speed | motion ratio |"
-        rule += "---:|---:|---:|"
-    lines = [head, rule]
-    for r in rows:
-        cells = [
-            r["model"],
-            str(r["steps"]),
-            " / ".join(f"{g:g}" for g in r["guidance"]),
-            f"{r['accuracy']:.2f}",
-            _cell(r["diversity_gap"]),
-        ]
-        if clips:
-            cells += [
-                _cell(r["per_attribute"]["direction"]),
-                _cell(r["per_attribute"]["speed"]),
-                _cell(r.get("motion_ratio")),
-            ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _cell(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 def mismatches(a: str, b: str) -> int:
     """Samples scored differently by two `correct` strings of the same prompts and noise."""
     return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
@@ -251,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = teacher_rows(args.teacher, args.clips, args.count)
     for name, folder in students.items():
         rows += student_rows(args.teacher, name, folder, args.clips, args.count)
-    print(table(rows, args.clips))
+    print(score_table(rows, args.clips))
     for name in students:
         missed = unmet(bars(rows, name, args.clips))
         print(f"{name}: " + ("every bar met" if not missed else "bars missed: " + "; ".join(missed)))
