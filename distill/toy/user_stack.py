@@ -7,6 +7,7 @@ loader: a user's Wan/ComfyUI pair and a speed LoRA's diffusers pair are read by 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,15 @@ def load_pair(pipe: Any, name: str, folder: str | Path) -> list[str]:
     for lora in parse_teacher_loras([str(folder)], experts=2):
         second = lora.expert == "transformer_2"
         adapter = name + (SECOND if second else "")
-        pipe.load_lora_weights(
-            str(lora.path.parent),
-            weight_name=lora.path.name,
-            adapter_name=adapter,
-            load_into_transformer_2=second,
-        )
+        with warnings.catch_warnings():
+            # peft warns whenever a second adapter joins a model; stacking them is the point here.
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+            pipe.load_lora_weights(
+                str(lora.path.parent),
+                weight_name=lora.path.name,
+                adapter_name=adapter,
+                load_into_transformer_2=second,
+            )
         names.append(adapter)
     return names
 
