@@ -30,7 +30,9 @@ def load_pipeline(folder: str | Path, device: str = "cpu") -> Any:
     """The stock pipeline of an image-to-video teacher folder, float32 on `device`."""
     from diffusers import WanImageToVideoPipeline
 
-    pipe = WanImageToVideoPipeline.from_pretrained(str(folder), torch_dtype=torch.float32).to(device)
+    # `dtype`, the pinned diffusers' name: `torch_dtype` on a pipeline prints a FutureWarning there. The
+    # code the model cards give users keeps `torch_dtype`, which older diffusers read too.
+    pipe = WanImageToVideoPipeline.from_pretrained(str(folder), dtype=torch.float32).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
