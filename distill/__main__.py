@@ -23,9 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": (
         "train_distillation.py",
-        "distil the teacher into a student (velocity or dmd); torchrun for several GPUs",
+        "distil the teacher into a student or a LoRA of its experts (velocity, dmd, ode_init, "
+        "self_forcing); torchrun for several GPUs",
     ),
-    "generate": ("distill.generate", "images or videos from a student (or the teacher), via WanPipeline"),
+    "generate": (
+        "distill.generate",
+        "images or videos from a student (or the teacher), via WanPipeline; --stream: a causal one",
+    ),
     "evaluate": (
         "distill.evaluate",
         "student vs teacher: eval.json and eval.png (toy world: its scores)",
@@ -33,7 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("distill.bench", "time the training step against a bare loop: phases, memory, MFU"),
     "gpu-check": (
         "distill.gpu_check",
-        "on a CUDA machine: gpu tests, NCCL, the 1.3B bench, the streamed teacher (make gpu-check)",
+        "on a CUDA machine: gpu tests, NCCL, the benchmarks at 1 and 81 frames, the streamed teacher "
+        "(make gpu-check)",
     ),
     "doctor": (
         "distill.doctor",
@@ -59,7 +64,7 @@ def usage() -> str:
     lines = ["usage: python -m distill COMMAND [ARGS...]   (or run a command on its own; add --help)", ""]
     for name, (target, what) in COMMANDS.items():
         lines.append(f"  {name:<{name_width}}  {how_to_run(target):<{how_width}}  {what}")
-    lines += ["", "first steps: make demo (the toy teacher, ~2.5 min on 2 cores), make test"]
+    lines += ["", "first steps: make demo (the toy teacher, ~3 min on 2 cores), make test"]
     return "\n".join(lines)
 
 

@@ -65,3 +65,14 @@ def test_an_unknown_command_is_refused_with_the_list(capsys):
     assert main(["trian"]) == 2
     err = capsys.readouterr().err
     assert "unknown command 'trian'" in err and "train" in err
+
+
+def test_the_train_line_names_every_method():
+    """The list is where a user first reads what training can do: it still said "velocity or dmd"
+    long after ode_init and self_forcing came."""
+    from distill.config.cli import build_parser
+
+    method = next(a for a in build_parser()._actions if a.dest == "method")
+    described = COMMANDS["train"][1]
+    assert len(method.choices) >= 4
+    assert [m for m in method.choices if m not in described] == []
