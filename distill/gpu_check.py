@@ -224,6 +224,7 @@ def read_bench(path: Path) -> dict[str, Any]:
             "mfu": result["flops"]["mfu"],
             "peak_bytes": memory["cuda_max_allocated_bytes"] or memory["cpu_rss_peak_bytes"],
             "sdpa_kernel": result["environment"].get("sdpa_kernel"),
+            "warnings": result.get("warnings", []),
         }
     figures = {
         "device": result["environment"]["device_name"],
@@ -233,6 +234,7 @@ def read_bench(path: Path) -> dict[str, Any]:
         "overhead_ratio": result["overhead_ratio"],
         "mfu": result["flops"]["mfu"],
         "peak_bytes": memory["cuda_max_allocated_bytes"] or memory["cpu_rss_peak_bytes"],
+        "warnings": result.get("warnings", []),
     }
     placement = result.get("teacher_on_cpu")
     if placement:
@@ -283,6 +285,10 @@ def describe(figures: dict[str, Any]) -> str:
         parts.append(f"peak {figures['peak_bytes'] / 1e9:.1f} GB")
         if figures.get("sdpa_kernel"):
             parts.append(f"SDPA kernel {figures['sdpa_kernel']}")
+    if figures.get("warnings"):  # a warning can be a slow path (distill/bench/warning_log.py)
+        first = figures["warnings"][0]
+        more = f" (+{len(figures['warnings']) - 1} more, in the JSON)" if len(figures["warnings"]) > 1 else ""
+        parts.append(f"warned at {first['where']}: {first['message'][:60]}{more}")
     return ", ".join(parts)
 
 

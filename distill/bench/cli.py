@@ -57,6 +57,7 @@ from distill.bench.model_step import format_model_step
 from distill.bench.run import run_bench
 from distill.bench.settings import ALIASES, PRESETS, BenchSettings
 from distill.bench.table import format_table
+from distill.bench.warning_log import WarningLog, warning_lines
 from distill.config.attention_backends import check_backend
 from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.paths import Kind, PathFlag, check_paths
@@ -155,8 +156,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings, json_path = parse_args(argv)
     # Before the benchmark runs, not after: a bad --json would throw its minutes away.
     check_paths([PathFlag("--json", json_path, Kind.OUTPUT_FILE, example="bench.json")])
-    result = run_bench(settings)
+    with WarningLog() as log:  # a warning can be a slow path: where it came from is kept (warning_log)
+        result = run_bench(settings)
+    result["warnings"] = log.entries()
     print(format_table(result) if settings.workload == "distill" else format_model_step(result))
+    print("\n".join(warning_lines(result["warnings"])))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")
