@@ -2,6 +2,7 @@
 tiny real teacher: real models, real files, no mocks."""
 
 import json
+import warnings
 
 import imageio.v2 as imageio
 import numpy as np
@@ -30,7 +31,7 @@ from distill.report.monitor import (
     SampleSettings,
     sampling_weights,
 )
-from distill.report.plots import read_metrics
+from distill.report.plots import plot_loss, read_metrics
 from distill.sample.media import rank_share
 from distill.sample.pipeline_folder import write_pipeline_folder
 from distill.train.tracking import wandb_media
@@ -245,6 +246,17 @@ def test_loss_plot_from_metrics_file(teacher, tmp_path):
     assert monitor.plot_loss(metrics, out) == out
     rank1 = SampleMonitor(image_settings(), teacher[0], tmp_path, CPU, rank=1, world_size=2)
     assert rank1.plot_loss(metrics, tmp_path / "x.png", force=True) is None
+
+
+def test_a_loss_plot_with_no_finite_loss_says_so_without_a_warning(tmp_path):
+    """A run whose every step was skipped logs null losses: loss.png says there is nothing to draw
+    (matplotlib warned of a legend with no entries, after the run's failure banner)."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps({"step": s, "loss": None, "grad_norm": None}) for s in (1, 2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = plot_loss(metrics, tmp_path / "loss.png")
+    assert out == tmp_path / "loss.png" and imageio.imread(out).shape[2] in (3, 4)
 
 
 def test_bad_settings_and_missing_prompt_file_are_config_errors(teacher, tmp_path, monkeypatch):

@@ -60,18 +60,23 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path, experts: int = 2) 
     if experts == 1:
         series = tuple(entry for entry in series if not entry[0].startswith("loss_"))
     dmd = any(r.get("critic_loss") is not None for r in rows)
+    drawn = False
     for key, label, color in series:
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and r[key] > 0]
         if points:
             steps, values = zip(*points)
             ax.plot(steps, values, label=label, color=color, linewidth=1.5 if key == "loss" else 1.0)
-    ax.set_yscale("log")
+            drawn = True
+    if drawn:
+        ax.set_yscale("log")
+        ax.legend(loc="upper left")
+    else:  # every logged step was skipped (a non-finite loss is logged as null): say so, not a blank
+        ax.text(0.5, 0.5, "no finite loss logged", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("step")
     # dmd: "total" is the generator's DMD loss (by t' range), the critic's is flow matching
     ax.set_ylabel("loss" if dmd else "MSE to the guided teacher velocity")
     ax.set_title("dmd losses: generator and critic" if dmd else "distillation loss")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="upper left")
     motion = [(r["step"], r["latent_motion_ratio"]) for r in rows if r.get("latent_motion_ratio") is not None]
     if motion:  # a clip run: slow motion shows as this falling below 1 before any sample is drawn
         steps, values = zip(*motion)
