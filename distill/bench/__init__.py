@@ -9,4 +9,7 @@ in memory. A command of its own: it may use every layer of the trainer, and noth
 - `timing`: alternating timed blocks and the per-phase clock
 - `measures`: memory, FLOPs, MFU, the environment, teacher placement
 - `run` / `table`: one whole benchmark, and its table for the terminal
+- `model_step`: one model's step alone (the A14B LoRA step, the teacher's guided forward)
+- `plan_check`: `--dry_run`'s memory plan beside what the device really allocates
+- `warning_log`: the warnings a run raised (a warning can be a slow path), with the line that raised each
 """
