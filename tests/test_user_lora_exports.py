@@ -5,6 +5,7 @@ user + speed, and the model card's code stacks the speed LoRA and the user's pai
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,12 @@ def test_the_card_stacks_both_adapters_and_its_code_runs_as_written(run, tiny_te
         f"`style_low_noise.safetensors` at strength {SCALE}, then this folder's `comfyui/low_noise" in comfy
     )
     monkeypatch.chdir(tmp_path)
-    exec(code, {"__name__": "card"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(code, {"__name__": "card"})
+    # peft's "several adapters" warning reaches whoever runs the card: the card says it is intended
+    assert [w for w in caught if "Already found a `peft_config`" in str(w.message)]
+    assert "# peft warns that the model then holds several adapters: here that is the point" in code
     drawn = np.asarray(Image.open(tmp_path / "sample.png")).astype(np.float64)
     # The same call on the stock stack built here (the card's prompt, size, steps and seed).
     stock = stock_stack(tiny_teacher, pair, out / "lora", fuse=False)

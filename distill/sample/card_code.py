@@ -159,7 +159,10 @@ def user_adapter_lines(settings: RunSettings) -> list[str]:
         return []
     names = ["fast"] if settings.one_transformer else ["fast", "fast_2"]
     weights = [1.0] * len(names)
-    lines = ["# the LoRAs it was distilled against, as adapters beside the speed LoRA (at their scales)"]
+    lines = [
+        "# the LoRAs it was distilled against, as adapters beside the speed LoRA (at their scales);",
+        "# peft warns that the model then holds several adapters: here that is the point",
+    ]
     for index, lora in enumerate(settings.teacher_loras):
         path = Path(str(lora.get("file")))
         second = lora.get("expert") == "transformer_2"
