@@ -27,8 +27,9 @@ chunks: the pass that adds a clean chunk to the KV cache runs every expert (`eac
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,15 +72,21 @@ class LoraShape:
         )
 
 
+@contextlib.contextmanager
+def stacking_adapters() -> Iterator[None]:
+    """Adapters added inside join those already there on purpose: peft's warning that a model now
+    holds several adapters ("Already found a `peft_config` attribute") is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+        yield
+
+
 def add_adapter(expert: nn.Module, name: str, shape: LoraShape, seed: int) -> list[nn.Parameter]:
     """Add adapter `name` to `expert` (frozen base, float32 adapter weights, seeded) and return its parameters."""
     expert.requires_grad_(False)
-    with warnings.catch_warnings():
-        # peft warns whenever a second adapter joins a model; several adapters are the point here.
-        warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            expert.add_adapter(shape.peft_config(), adapter_name=name)
+    with stacking_adapters(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        expert.add_adapter(shape.peft_config(), adapter_name=name)
     params = adapter_parameters(expert, name)
     if not params:
         raise ValueError(f"no module of the expert matches the LoRA targets {', '.join(shape.targets)}")

@@ -250,9 +250,8 @@ class Streamer:
 
         The first frames count as arrived when they are decoded, before the file gets them: the
         writer is one consumer of the stream, and the first one of a process starts ffmpeg (0.2-0.5 s
-        here, against 0.04 s for the toy student's first chunk), which made the first prompt of
-        `make demo-stream` read "54% of the clip's time" where the others read 12-15%. The total is
-        until the file is complete."""
+        here, against 0.04 s for the toy student's first chunk). The total is until the file is
+        complete."""
         writer = _FrameWriter(target, self.args.num_frames)
         start = time.perf_counter()
         first: tuple[float, int] | None = None

@@ -7,7 +7,6 @@ loader: a user's Wan/ComfyUI pair and a speed LoRA's diffusers pair are read by 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,15 +18,14 @@ SECOND = "_2"
 def load_pair(pipe: Any, name: str, folder: str | Path) -> list[str]:
     """Load a high/low pair (a folder as --teacher_lora reads one: our lora/ export, its comfyui/, or a
     user's pair) into `pipe`'s two experts as adapters `name` and `name`_2; returns both names."""
+    from distill.models.lora import stacking_adapters
     from distill.models.teacher_lora import parse_teacher_loras
 
     names = []
     for lora in parse_teacher_loras([str(folder)], experts=2):
         second = lora.expert == "transformer_2"
         adapter = name + (SECOND if second else "")
-        with warnings.catch_warnings():
-            # peft warns whenever a second adapter joins a model; stacking them is the point here.
-            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+        with stacking_adapters():  # what the user-LoRA table measures
             pipe.load_lora_weights(
                 str(lora.path.parent),
                 weight_name=lora.path.name,
