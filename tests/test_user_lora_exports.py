@@ -14,6 +14,7 @@ import torch
 from conftest import train_args
 from test_teacher_lora import write_user_lora
 
+from distill.models.lora import stacking_adapters
 from train_distillation import main as train
 
 SCALE = 0.7
@@ -40,14 +41,21 @@ def stock_stack(teacher: Path, pair: Path, lora: Path, *, fuse: bool):
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(teacher)
-    pipe.load_lora_weights(pair, weight_name="style_high_noise.safetensors", adapter_name="user")
-    pipe.load_lora_weights(
-        pair, weight_name="style_low_noise.safetensors", adapter_name="user_2", load_into_transformer_2=True
-    )
-    pipe.load_lora_weights(lora, weight_name="high_noise_lora.safetensors", adapter_name="fast")
-    pipe.load_lora_weights(
-        lora, weight_name="low_noise_lora.safetensors", adapter_name="fast_2", load_into_transformer_2=True
-    )
+    with stacking_adapters():  # the card's code shows peft's warning (tested below); the stock stack need not
+        pipe.load_lora_weights(pair, weight_name="style_high_noise.safetensors", adapter_name="user")
+        pipe.load_lora_weights(
+            pair,
+            weight_name="style_low_noise.safetensors",
+            adapter_name="user_2",
+            load_into_transformer_2=True,
+        )
+        pipe.load_lora_weights(lora, weight_name="high_noise_lora.safetensors", adapter_name="fast")
+        pipe.load_lora_weights(
+            lora,
+            weight_name="low_noise_lora.safetensors",
+            adapter_name="fast_2",
+            load_into_transformer_2=True,
+        )
     pipe.set_adapters(["user", "user_2", "fast", "fast_2"], adapter_weights=[SCALE, SCALE, 1.0, 1.0])
     if fuse:
         pipe.fuse_lora(components=["transformer", "transformer_2"])
