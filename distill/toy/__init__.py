@@ -15,6 +15,8 @@ evaluation looks here, when the teacher folder holds `toy_world.json`.
 - image to video: `build_i2v` grows the I2V teacher, `image_score` scores clips against their input
   image, `i2v_evaluation` samples it, `i2v_data` writes training pairs; the commands `i2v_students`
   (scores few-step students against the teacher) and `i2v_ship` (retrains the shipped ones)
+- streams longer than the clips: `stream_score` scores them, `stream_reader` decodes them,
+  `window_judge` asks a teacher about windows of them, `window_teacher` trains one that knows them
 
 It may import distill.ops and distill.models only; distill.report reads it, the trainer never does.
 """

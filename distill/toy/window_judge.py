@@ -43,17 +43,28 @@ def stream_latents(teacher: str, prompts: list[str], frames: int) -> torch.Tenso
     """The world's right `frames`-frame streams of `prompts` (prompt i's variation from one generator
     of seed 0), encoded by the teacher's VAE and normalised as the trainer's latents are."""
     from distill.models.pipelines import load_vae
-    from distill.toy.stream_score import render_stream
     from distill.toy.world import scene_for
 
-    vae = load_vae(teacher, torch.device("cpu"))
     rng = np.random.default_rng(0)
-    truth = np.stack([render_stream(scene_for(p, rng), frames) for p in prompts])
-    video = torch.from_numpy(truth).permute(0, 4, 1, 2, 3) * 2.0 - 1.0
+    return encode_streams(
+        load_vae(teacher, torch.device("cpu")), [scene_for(p, rng) for p in prompts], frames
+    )
+
+
+@torch.no_grad()
+def encode_streams(vae: Any, scenes: list, frames: int) -> torch.Tensor:
+    """The world's right `frames`-frame streams of `scenes` (stream_score's `render_stream`), each
+    encoded whole by `vae` and normalised as the trainer's latents are: (N, 16, T, h, w)."""
+    from distill.toy.stream_score import render_stream
+
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    with torch.no_grad():
-        return (vae.encode(video).latent_dist.mode() - mean) / std
+    encoded = []
+    for start in range(0, len(scenes), 64):
+        video = np.stack([render_stream(scene, frames) for scene in scenes[start : start + 64]])
+        x = torch.from_numpy(video).permute(0, 4, 1, 2, 3) * 2.0 - 1.0
+        encoded.append((vae.encode(x).latent_dist.mode() - mean) / std)
+    return torch.cat(encoded)
 
 
 def frame_change(x: torch.Tensor) -> list[float]:
