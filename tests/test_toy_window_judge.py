@@ -29,3 +29,21 @@ def test_the_toy_teacher_keeps_a_streams_first_window_and_rewrites_the_later_one
         assert mid[start]["teacher_change"][0] > 2 * mid[start]["change"][0], mid[start]
     if still:  # the pixels hold still, yet the latents change less and less: the encoder warming up
         assert low[6]["change"][1] < 0.1 * low[0]["change"][0], (low[0], low[6])
+
+
+def test_the_teachers_own_stream_goes_on_a_window_at_a_time(toy_teacher: Path, capsys) -> None:
+    """`stream_by_windows` (the teacher itself streamed, docs/streaming.md) only adds frames: a longer
+    stream begins with the shorter one, bit for bit, and every added frame was made; the command
+    scores such streams through the stream reader."""
+    import torch
+
+    from distill.toy.evaluation import eval_prompts
+    from distill.toy.window_judge import guided_teacher, main, stream_by_windows
+
+    guided, cond, negative = guided_teacher(str(toy_teacher), eval_prompts(2, clips=True))
+    short = stream_by_windows(guided, cond, negative, latent_frames=3, steps=2)
+    long = stream_by_windows(guided, cond, negative, latent_frames=5, steps=2)
+    assert long.shape == (2, 16, 5, 4, 4) and torch.equal(long[:, :, :3], short)
+    assert all(long[:, :, frame].abs().sum() > 0 for frame in range(5))
+    assert main(["--teacher", str(toy_teacher), "--prompts", "2", "--stream_steps", "1"]) == 0
+    assert "the teacher streamed a window at a time, 2 prompts: {'accuracy': " in capsys.readouterr().out

@@ -72,24 +72,31 @@ def frame_change(x: torch.Tensor) -> list[float]:
     return [round(v, 3) for v in (x[:, :, 1:] - x[:, :, :-1]).abs().mean(dim=(0, 1, 3, 4)).tolist()]
 
 
-def judge(teacher: str, count: int, frames: int, still: bool = False) -> list[dict[str, Any]]:
-    """One row per noise level and window start (see the module's docstring), on the first `count`
-    scored clip prompts (with `still`: the first `count` of those that stand still)."""
+def guided_teacher(teacher: str, prompts: list[str]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The toy teacher's guided velocity at the clip students' guidance, with `prompts`' embeddings
+    and the empty prompt's: (guided, cond (N, 512, D), negative (1, 512, D))."""
     from distill.models.guided_teacher import GuidedTeacher
     from distill.models.pipelines import encode_prompts
     from distill.models.teacher import inspect_teacher, load_expert
-    from distill.toy.evaluation import EVAL_CLIP_PROMPTS, eval_prompts
-    from distill.toy.stream_reader import STREAM_FRAMES
 
-    prompts = eval_prompts(EVAL_CLIP_PROMPTS if still else count, clips=True)  # the scored clip prompts
-    prompts = [p for p in prompts if "standing still" in p][:count] if still else prompts
     embeddings = encode_prompts(teacher, [*prompts, ""], 512, torch.device("cpu"), torch.float32)
-    cond = torch.stack([embeddings[p] for p in prompts])
     info = inspect_teacher(teacher)
     experts = [load_expert(info, name, torch.float32).eval() for name in ("transformer", "transformer_2")]
     guided = GuidedTeacher(
         *experts, info.boundary_ratio, *GUIDANCE, torch.device("cpu"), torch.float32, kind=info.kind
     )
+    return guided, torch.stack([embeddings[p] for p in prompts]), embeddings[""][None]
+
+
+def judge(teacher: str, count: int, frames: int, still: bool = False) -> list[dict[str, Any]]:
+    """One row per noise level and window start (see the module's docstring), on the first `count`
+    scored clip prompts (with `still`: the first `count` of those that stand still)."""
+    from distill.toy.evaluation import EVAL_CLIP_PROMPTS, eval_prompts
+    from distill.toy.stream_reader import STREAM_FRAMES
+
+    prompts = eval_prompts(EVAL_CLIP_PROMPTS if still else count, clips=True)  # the scored clip prompts
+    prompts = [p for p in prompts if "standing still" in p][:count] if still else prompts
+    guided, cond, negative = guided_teacher(teacher, prompts)
     latents = stream_latents(teacher, prompts, frames or STREAM_FRAMES)
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -99,7 +106,7 @@ def judge(teacher: str, count: int, frames: int, still: bool = False) -> list[di
         for start in STARTS:
             window = latents[:, :, start : start + WINDOW]
             noisy = (1 - sigma) * window + sigma * noise
-            velocity = guided.velocity(noisy, timesteps, cond, embeddings[""][None])
+            velocity = guided.velocity(noisy, timesteps, cond, negative)
             estimate = noisy - sigma * velocity
             error = ((estimate - window) ** 2).mean(dim=(0, 1, 3, 4)) / window.pow(2).mean()
             rows.append(
@@ -114,6 +121,52 @@ def judge(teacher: str, count: int, frames: int, still: bool = False) -> list[di
     return rows
 
 
+@torch.no_grad()
+def stream_by_windows(
+    guided: Any,
+    cond: torch.Tensor,
+    negative: torch.Tensor,
+    latent_frames: int,
+    steps: int,
+    shift: float = 3.0,
+) -> torch.Tensor:
+    """The teacher's own stream of `latent_frames` (N, 16, T, 4, 4), a window at a time: the first
+    WINDOW latent frames sampled as a clip, then each next frame made in a window whose first
+    WINDOW - 1 frames are the stream's last ones, put back at every step at that step's noise
+    (inpainting: the teacher sees the stream only through the window). Euler steps on the shifted
+    flow-matching schedule; noise from one CPU generator of seed 0, drawn window by window, so a
+    longer stream begins with a shorter one."""
+    count = cond.shape[0]
+    u = torch.linspace(1.0, 0.0, steps + 1)
+    sigmas = shift * u / (1 + (shift - 1) * u)
+    generator = torch.Generator().manual_seed(0)
+    stream = torch.zeros(count, 16, latent_frames, 4, 4)
+    for start in range(latent_frames - WINDOW + 1):
+        known = WINDOW - 1 if start else 0
+        noise = torch.randn(count, 16, WINDOW, 4, 4, generator=generator)
+        x, past = noise.clone(), stream[:, :, start : start + known]
+        for sigma, after in zip(sigmas[:-1], sigmas[1:]):
+            x[:, :, :known] = (1 - sigma) * past + sigma * noise[:, :, :known]
+            timesteps = torch.full((count,), int(sigma * 1000), dtype=torch.int64)
+            x = x + (after - sigma) * guided.velocity(x, timesteps, cond, negative)
+        stream[:, :, start + known : start + WINDOW] = x[:, :, known:]
+    return stream
+
+
+def streamed_row(teacher: str, count: int, steps: int) -> dict[str, Any]:
+    """The teacher's own 33-frame streams (`stream_by_windows`) of the first `count` scored clip
+    prompts, decoded by the stream reader and scored as the students' 3x streams are."""
+    from distill.models.pipelines import decode_latents
+    from distill.toy.evaluation import eval_prompts
+    from distill.toy.stream_reader import STREAM_FRAMES, load_reader
+    from distill.toy.stream_score import score_stream
+
+    prompts = eval_prompts(count, clips=True)
+    latents = stream_by_windows(*guided_teacher(teacher, prompts), (STREAM_FRAMES - 1) // 4 + 1, steps)
+    reader = load_reader()
+    return score_stream([decode_latents(latent, reader) for latent in latents], prompts)
+
+
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
@@ -125,8 +178,18 @@ def main(argv: list[str] | None = None) -> int:
         help="the toy teacher (make demo writes it)",
     )
     parser.add_argument("--prompts", type=integer(1), default=24, help="the first N scored clip prompts")
+    parser.add_argument(
+        "--stream_steps",
+        type=integer(0),
+        default=0,
+        help="also stream the teacher itself 33 frames a window at a time in N steps a window, and score it (0: no)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.stream_steps:
+        row = streamed_row(str(args.teacher), args.prompts, args.stream_steps)
+        shown = {k: row[k] for k in ("accuracy", "identity", "motion_ratio", "late_motion_ratio")}
+        print(f"the teacher streamed a window at a time, {args.prompts} prompts: {shown}")
     header = (
         "| noise | window from latent frame | teacher's error per frame | change: window | change: estimate |"
     )
