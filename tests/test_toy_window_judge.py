@@ -38,12 +38,20 @@ def test_the_teachers_own_stream_goes_on_a_window_at_a_time(toy_teacher: Path, c
     import torch
 
     from distill.toy.evaluation import eval_prompts
-    from distill.toy.window_judge import guided_teacher, main, stream_by_windows
+    from distill.toy.window_judge import guided_teacher, main, next_window, stream_by_windows
 
     guided, cond, negative = guided_teacher(str(toy_teacher), eval_prompts(2, clips=True))
     short = stream_by_windows(guided, cond, negative, latent_frames=3, steps=2)
     long = stream_by_windows(guided, cond, negative, latent_frames=5, steps=2)
     assert long.shape == (2, 16, 5, 4, 4) and torch.equal(long[:, :, :3], short)
     assert all(long[:, :, frame].abs().sum() > 0 for frame in range(5))
+    # A window made on a past sees it: another past, the same noise, another new frame.
+    sigmas = torch.linspace(1.0, 0.0, 3)
+    noise = torch.randn(2, 16, 3, 4, 4, generator=torch.Generator().manual_seed(1))
+    made = [
+        next_window(guided, cond, negative, past, noise, sigmas)
+        for past in (long[:, :, 1:3], -long[:, :, 1:3])
+    ]
+    assert (made[0][:, :, 2] - made[1][:, :, 2]).abs().mean() > 0.05
     assert main(["--teacher", str(toy_teacher), "--prompts", "2", "--stream_steps", "1"]) == 0
     assert "the teacher streamed a window at a time, 2 prompts: {'accuracy': " in capsys.readouterr().out

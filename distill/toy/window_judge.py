@@ -136,21 +136,36 @@ def stream_by_windows(
     (inpainting: the teacher sees the stream only through the window). Euler steps on the shifted
     flow-matching schedule; noise from one CPU generator of seed 0, drawn window by window, so a
     longer stream begins with a shorter one."""
-    count = cond.shape[0]
     u = torch.linspace(1.0, 0.0, steps + 1)
     sigmas = shift * u / (1 + (shift - 1) * u)
     generator = torch.Generator().manual_seed(0)
-    stream = torch.zeros(count, 16, latent_frames, 4, 4)
+    stream = torch.zeros(cond.shape[0], 16, latent_frames, 4, 4)
     for start in range(latent_frames - WINDOW + 1):
         known = WINDOW - 1 if start else 0
-        noise = torch.randn(count, 16, WINDOW, 4, 4, generator=generator)
-        x, past = noise.clone(), stream[:, :, start : start + known]
-        for sigma, after in zip(sigmas[:-1], sigmas[1:]):
-            x[:, :, :known] = (1 - sigma) * past + sigma * noise[:, :, :known]
-            timesteps = torch.full((count,), int(sigma * 1000), dtype=torch.int64)
-            x = x + (after - sigma) * guided.velocity(x, timesteps, cond, negative)
-        stream[:, :, start + known : start + WINDOW] = x[:, :, known:]
+        noise = torch.randn(cond.shape[0], 16, WINDOW, 4, 4, generator=generator)
+        window = next_window(guided, cond, negative, stream[:, :, start : start + known], noise, sigmas)
+        stream[:, :, start + known : start + WINDOW] = window[:, :, known:]
     return stream
+
+
+@torch.no_grad()
+def next_window(
+    guided: Any,
+    cond: torch.Tensor,
+    negative: torch.Tensor,
+    past: torch.Tensor,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+) -> torch.Tensor:
+    """A window (N, 16, WINDOW, h, w) denoised from `noise` along `sigmas` whose first frames are
+    `past` (N, 16, K, h, w), put back at every step at that step's noise; K = 0: a clip."""
+    known = past.shape[2]
+    x = noise.clone()
+    for sigma, after in zip(sigmas[:-1], sigmas[1:]):
+        x[:, :, :known] = (1 - sigma) * past + sigma * noise[:, :, :known]
+        timesteps = torch.full((noise.shape[0],), int(sigma * 1000), dtype=torch.int64)
+        x = x + (after - sigma) * guided.velocity(x, timesteps, cond, negative)
+    return x
 
 
 def streamed_row(teacher: str, count: int, steps: int) -> dict[str, Any]:
