@@ -23,7 +23,7 @@ import os
 import shutil
 import sys
 import uuid
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +55,7 @@ def stream_windows(vae: Any, scenes: list[world.Scene], frames: int = STREAM_FRA
 
 def source_recipe(source: Path, steps: int, lr: float, seed: int) -> Recipe:
     """The source teacher's recorded recipe, both experts trained `steps` more at `lr`."""
-    recorded = json.loads((source / world.WORLD_FILE).read_text())["recipe"]
-    known = {f.name for f in fields(Recipe)}
-    recipe = Recipe(
-        **{k: (tuple(v) if isinstance(v, list) else v) for k, v in recorded.items() if k in known}
-    )
+    recipe = Recipe(**json.loads((source / world.WORLD_FILE).read_text())["recipe"])
     return replace(
         recipe, trained_experts=("high", "low"), expert_steps=steps, expert_lr=lr, low_focus=0.0, seed=seed
     )
