@@ -40,6 +40,11 @@ def read_metrics(metrics_jsonl: str | Path) -> list[dict[str, float]]:
     return [by_step[step] for step in sorted(by_step)]
 
 
+# loss.png's margins (fractions of its 7 x 4 in): room for the log-scale tick labels and the axis
+# labels on both sides (a clip run draws the motion ratio on a second axis at the right).
+LOSS_MARGINS = {"left": 0.11, "right": 0.89, "bottom": 0.12, "top": 0.92}
+
+
 def plot_loss(metrics_jsonl: str | Path, out_png: str | Path, experts: int = 2) -> Path | None:
     """loss.png: total loss and the loss of each expert's timestep range against the step (with
     `experts` 1, a teacher of one transformer, the total alone: its one range is all of it).
@@ -51,6 +56,9 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path, experts: int = 2) 
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
+    # Fixed margins that fit the labels, rather than a layout measured on an extra draw: the plot is
+    # redrawn all through a run, and measuring its bounding box first doubled the cost of each draw.
+    fig.subplots_adjust(**LOSS_MARGINS)
     series = (
         ("loss", "total", "black"),
         ("loss_high_noise", "high-noise range (transformer)", "tab:red"),
@@ -88,7 +96,7 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path, experts: int = 2) 
         twin.set_ylabel("student / teacher frame-to-frame change", color="tab:purple")
         twin.set_ylim(0, max(1.5, max(values) * 1.1))
         twin.legend(loc="upper right")
-    return save_figure(fig, out_png)
+    return save_figure(fig, out_png, tight=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +121,7 @@ def plot_eval(result: dict[str, Any], out_png: str | Path) -> Path:
     step = result.get("step")
     fig.suptitle("student vs teacher" + (f" at step {step}" if step is not None else ""))
     fig.tight_layout()
-    return save_figure(fig, out_png)
+    return save_figure(fig, out_png, tight=False)  # laid out already: no second measuring draw
 
 
 def _guidance(entry: dict[str, Any]) -> str:

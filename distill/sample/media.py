@@ -311,12 +311,14 @@ def pyplot() -> Any:
     return plt
 
 
-def save_figure(fig: Any, out_png: str | Path) -> Path:
-    """Save as PNG under a temporary name, then rename: readers never see a half-written file."""
+def save_figure(fig: Any, out_png: str | Path, *, tight: bool = True) -> Path:
+    """Save as PNG under a temporary name, then rename: readers never see a half-written file.
+    `tight` crops the page to what is drawn (it costs a second draw); without it the figure's own
+    margins are kept."""
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+    fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight" if tight else None)
     pyplot().close(fig)
     os.replace(tmp, out)
     return out
