@@ -20,14 +20,22 @@ DEMO_ENV := OMP_NUM_THREADS=1
 
 .PHONY: demo demo-clips demo-i2v demo-user-lora demo-stream test proofs gpu-check lint format clean toy-stage1 toy-stage1-clips toy-causal
 
-# pip compiles every installed module to bytecode on one core (34 of its 67 s here); compileall does
-# the same on every core (23 s on 2). The bytecode must be there before the suite: a shell with
-# PYTHONDONTWRITEBYTECODE=1 writes none, and every process would compile torch again. A file that
-# does not compile (torch ships one for a newer Python) is skipped, as pip skips it.
+# Bytecode is written as modules are first imported, not for the whole venv up front: compiling all
+# of it (compileall on both cores) took 33 s of a fresh clone's set-up, while what the suite and the
+# demos import is about a quarter of it (~6 CPU s). A shell may set PYTHONDONTWRITEBYTECODE=1; then
+# no process would write any and every one would compile torch again, so make does not pass it on.
+# The modules nearly every test process imports are imported once here, so that the suite's
+# parallel workers start from their bytecode instead of all compiling the same files at once.
+unexport PYTHONDONTWRITEBYTECODE
+WARM_IMPORTS := import distill.train.trainer, distill.toy.evaluation, distill.report.plots, \
+	matplotlib.pyplot, torch.distributed.run, peft, wandb, pytest, xdist; \
+	from diffusers import WanPipeline, WanImageToVideoPipeline, AutoencoderKLWan, WanTransformer3DModel; \
+	from transformers import UMT5EncoderModel, AutoTokenizer
+
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
-	$(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_path('purelib'), quiet=2, workers=0)"
+	$(PY) -c "$(WARM_IMPORTS)"
 	@touch $(STAMP)
 
 # The product's headline on the toy teacher (trained on a synthetic world, real Wan 2.2 layout;
