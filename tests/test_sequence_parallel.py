@@ -54,6 +54,14 @@ METHODS = {
     # TI2V-5B in image mode: one transformer, a timestep per token (frame 0's tokens at 0), split
     # with the tokens. 5 frames at 32x32 through its 16x VAE: 2 latent frames of one token each.
     "ti2v": ({"num_frames": 5, "guidance_scale": 5.0, "max_prompts": 4}, 2, [1]),
+    # The same three methods on the tiny I2V-A14B teacher (the image latents joined to every input's
+    # channels) and dmd and a LoRA on TI2V-5B (its one transformer's LoRA: split once): 5 frames at
+    # 32x32, 2 latent frames of 4 tokens through the 8x VAE, of 1 through TI2V's 16x one.
+    "i2v_velocity": ({"num_frames": 5, "max_prompts": 4}, 3, [4]),
+    "i2v_dmd": ({"method": "dmd", "num_frames": 5, "max_prompts": 4}, 4, [4]),
+    "i2v_lora": ({"student_lora_rank": 4, "num_frames": 5, "max_prompts": 4}, 2, [4]),
+    "ti2v_dmd": ({"method": "dmd", "num_frames": 5, "guidance_scale": 5.0, "max_prompts": 4}, 3, [1]),
+    "ti2v_lora": ({"student_lora_rank": 4, "num_frames": 5, "guidance_scale": 5.0, "max_prompts": 4}, 1, [1]),
     # A causal student (the teacher's high-noise expert, chunks of 1 latent frame) on 9-frame clips:
     # 3 latent frames of 4 tokens. ode_init runs it on the whole clip (6 tokens a rank); self_forcing
     # streams 17 frames chunk by chunk on its KV cache (2 a rank), checkpointed, and the teacher and
@@ -119,23 +127,29 @@ def i2v_world(root: Path) -> dict[str, Path]:
 
 
 # The runs on another teacher than the tiny T2V one: method -> that world's name in `teachers`.
-WORLDS = {"ti2v": "ti2v", "i2v_self_forcing": "i2v"}
+WORLDS = {
+    "ti2v": "ti2v",
+    "ti2v_dmd": "ti2v",
+    "ti2v_lora": "ti2v",
+    "i2v_velocity": "i2v",
+    "i2v_dmd": "i2v",
+    "i2v_lora": "i2v",
+    "i2v_self_forcing": "i2v",
+}
 
 
 def args(teachers: dict[str, Path], out: Path, cache: Path, method: str, **more: object) -> list[str]:
     """The command line of `method`'s run; `teachers`: the tiny T2V teacher ("t2v"), the TI2V and the
-    I2V worlds."""
+    I2V worlds (each run of one of those its own cache: their clips differ in length)."""
+    settings = {**COMMON, **METHODS[method][0]}
+    teacher = teachers["t2v"]
     if method in WORLDS:
         name = WORLDS[method]
-        world = {k: teachers[f"{name}_{k}"] for k in ("student_config", "data_path")}
-        return train_args(
-            teachers[f"{name}_teacher"], out, cache / name, **COMMON, **METHODS[method][0], **world, **more
-        )
-    argv = train_args(teachers["t2v"], out, cache, **COMMON, **METHODS[method][0], **more)
-    if METHODS[method][0].get("student_lora_rank"):  # the student is the teacher's experts: no student config
-        at = argv.index("--student_config")
-        del argv[at : at + 2]
-    return argv
+        teacher, cache = teachers[f"{name}_teacher"], cache / method
+        settings |= {k: teachers[f"{name}_{k}"] for k in ("student_config", "data_path")}
+    if settings.get("student_lora_rank"):  # the student is the teacher's experts: no student config
+        settings["student_config"] = None
+    return train_args(teacher, out, cache, **settings, **more)
 
 
 def launch_ranks(runs: list, tmp_path: Path, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -174,7 +188,7 @@ def trained_weights(out: Path) -> tuple[torch.Tensor, torch.Tensor]:
     B matrices, which start at zero."""
     if (out / "lora").is_dir():
         found = {}
-        for file in sorted((out / "lora").glob("*_lora.safetensors")):
+        for file in sorted((out / "lora").glob("*lora.safetensors")):  # TI2V's one: lora.safetensors
             found |= {f"{file.name}:{k}": v for k, v in load_file(file).items() if "lora_B" in k}
         after = torch.cat([found[k].float().flatten() for k in sorted(found)])
         return after, torch.zeros_like(after)
@@ -318,8 +332,9 @@ def two_ranks(tiny_teacher, tmp_path_factory) -> tuple[Path, dict[str, Path], su
 
 
 def test_two_ranks_splitting_each_sample_train_like_one_process(two_ranks, capsys):
-    """One launch, velocity, dmd, a LoRA student, velocity with sharded experts and the TI2V teacher,
-    each at --sequence_parallel 2 with batch 1 (one context group): the same losses and gradient norms
+    """One launch, velocity, dmd and a LoRA student on the T2V and the I2V teacher, velocity with
+    sharded experts, velocity, dmd and a LoRA on the TI2V teacher, and the causal methods, each at
+    --sequence_parallel 2 with batch 1 (one context group): the same losses and gradient norms
     at every step as one process with batch 1, and the same trained weights. The gradient norm is
     logged after DDP's mean: it matches only if the loss scale puts a group's token shares back
     together into one process's gradient."""
