@@ -259,6 +259,53 @@ def test_a_loss_plot_with_no_finite_loss_says_so_without_a_warning(tmp_path):
     assert out == tmp_path / "loss.png" and imageio.imread(out).shape[2] in (3, 4)
 
 
+@pytest.mark.parametrize("run", ["velocity", "dmd clips"])
+def test_the_loss_plot_keeps_its_labels_on_the_page_and_its_legend_off_the_curves(run, tmp_path, monkeypatch):
+    """loss.png is drawn at fixed margins (no measuring draw): every label fits them, the long
+    left-axis label beside the log scale's minor tick labels too, and the legend sits below the step
+    axis, where it covers neither the curves nor the clip runs' motion-ratio axis."""
+    import distill.report.plots as plots
+
+    rows = [
+        {"step": s, "loss": 1 / (1 + s / 300), "loss_high_noise": 1.2 / (1 + s / 300)}
+        | {"loss_low_noise": 0.8 / (1 + s / 300), "grad_norm": 1.0}
+        | ({"critic_loss": 0.1, "latent_motion_ratio": 0.5 + s / 600} if run == "dmd clips" else {})
+        for s in range(10, 310, 10)
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(row) for row in rows))
+    saved = []
+
+    def measure_then_save(fig, out_png, **kwargs):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        # What is drawn (tick labels in view, axis labels, title, legend), in inches, against the page.
+        drawn, (width, height) = fig.get_tightbbox(renderer), fig.get_size_inches()
+        saved.append(
+            {
+                "on_page": drawn.x0 >= 0 and drawn.y0 >= 0 and drawn.x1 <= width and drawn.y1 <= height,
+                "axes": [ax.get_window_extent(renderer) for ax in fig.axes],
+                "legends": [leg.get_window_extent(renderer) for ax in fig.axes if (leg := ax.get_legend())],
+                "entries": [
+                    t.get_text() for ax in fig.axes if (leg := ax.get_legend()) for t in leg.get_texts()
+                ],
+            }
+        )
+        return real_save(fig, out_png, **kwargs)
+
+    real_save = plots.save_figure
+    monkeypatch.setattr(plots, "save_figure", measure_then_save)
+    plot_loss(metrics, tmp_path / "loss.png")
+    (found,) = saved
+    assert found["on_page"]
+    (legend,) = found["legends"]  # one legend for both axes
+    assert not any(legend.overlaps(axes) for axes in found["axes"])
+    expected = {"total", "high-noise range (transformer)", "low-noise range (transformer_2)"}
+    if run == "dmd clips":
+        expected |= {"critic (dmd)", "latent motion ratio"}
+    assert set(found["entries"]) == expected
+
+
 def test_bad_settings_and_missing_prompt_file_are_config_errors(teacher, tmp_path, monkeypatch):
     from distill.ops.errors import DistillError, Stage
 

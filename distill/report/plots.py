@@ -40,9 +40,11 @@ def read_metrics(metrics_jsonl: str | Path) -> list[dict[str, float]]:
     return [by_step[step] for step in sorted(by_step)]
 
 
-# loss.png's margins (fractions of its 7 x 4 in): room for the log-scale tick labels and the axis
-# labels on both sides (a clip run draws the motion ratio on a second axis at the right).
-LOSS_MARGINS = {"left": 0.11, "right": 0.89, "bottom": 0.12, "top": 0.92}
+# loss.png's margins (fractions of its 7 x 4.6 in): room for the log-scale tick labels and the axis
+# labels on both sides (a clip run draws the motion ratio on a second axis at the right), and below
+# the step axis for the legend: inside the axes it hid the start of the curves, which is where
+# they are highest.
+LOSS_MARGINS = {"left": 0.14, "right": 0.89, "bottom": 0.27, "top": 0.93}
 
 
 def plot_loss(metrics_jsonl: str | Path, out_png: str | Path, experts: int = 2) -> Path | None:
@@ -55,7 +57,7 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path, experts: int = 2) 
     if not rows:
         return None
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.6))
     # Fixed margins that fit the labels, rather than a layout measured on an extra draw: the plot is
     # redrawn all through a run, and measuring its bounding box first doubled the cost of each draw.
     fig.subplots_adjust(**LOSS_MARGINS)
@@ -77,7 +79,6 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path, experts: int = 2) 
             drawn = True
     if drawn:
         ax.set_yscale("log")
-        ax.legend(loc="upper left")
     else:  # every logged step was skipped (a non-finite loss is logged as null): say so, not a blank
         ax.text(0.5, 0.5, "no finite loss logged", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("step")
@@ -95,7 +96,11 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path, experts: int = 2) 
         twin.axhline(1.0, color="tab:purple", linestyle=":", linewidth=0.8)
         twin.set_ylabel("student / teacher frame-to-frame change", color="tab:purple")
         twin.set_ylim(0, max(1.5, max(values) * 1.1))
-        twin.legend(loc="upper right")
+    lines = [line for axes in fig.axes for line in axes.get_lines() if not line.get_label().startswith("_")]
+    if lines:  # one legend for both axes, below the step axis
+        ax.legend(
+            handles=lines, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=9, frameon=False
+        )
     return save_figure(fig, out_png, tight=False)
 
 
