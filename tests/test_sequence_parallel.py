@@ -212,9 +212,13 @@ def assert_trained_alike(reference: Path, run: Path, label: str) -> None:
         assert ours.keys() == theirs.keys()
         for key, value in ours.items():
             if isinstance(value, float) and key != "steps_per_s":
-                # Another order of float reductions (the all-to-alls, the gathered output); the
-                # LoRA losses are ~1e-4 (the adapters start at zero): absolute 1e-6 for those.
-                assert theirs[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (label, ours["step"], key)
+                # Another order of float reductions (the all-to-alls, the gathered output): 1e-7 to
+                # 1e-5 relative, except the TI2V LoRA's, whose loss (~3e-5: the adapters start at zero)
+                # is the small difference of two near-equal 48-channel velocities: 1.7e-4 at step 1
+                # and 4.9e-4 by step 3 on one CPU model, under 1e-4 on another. A split that went
+                # wrong is off by a factor (without the loss scale by the CP degree, half the
+                # gradient norm), so 2e-3 still catches it with room for other CPUs' kernels.
+                assert theirs[key] == pytest.approx(value, rel=2e-3, abs=1e-6), (label, ours["step"], key)
     # The updates agree: Adam moves a weight whose gradient is ~0 by up to lr on float noise
     # alone, so a handful of elements may differ by that much; the update as a whole agrees. (The
     # LoRA runs train 3,968 adapter values: 5 of them apart by more than 1e-5 is 0.13%.)
