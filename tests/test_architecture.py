@@ -43,6 +43,7 @@ COMMANDS = {
     "distill.toy.proofs",
     "distill.toy.causal_students",
     "distill.toy.causal_ship",
+    "distill.toy.chained_judge",
     "distill.toy.shipping",  # what the ship commands share; only they import it
 }
 # The package itself, which every `python -m distill...` command imports first, checks the
