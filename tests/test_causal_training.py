@@ -517,5 +517,8 @@ def test_two_ranks_train_a_causal_student_by_self_forcing_as_one_process(
     result = run(args(1, 2))
     assert (result.output_dir / ("lora" if lora else "student") / "causal_config.json").is_file()
     keys = ("loss", "grad_norm", "critic_loss", "critic_grad_norm")
-    assert_same_trajectory([tmp_path / "n1", tmp_path / "n2"], keys=keys)
+    # dmd's losses are differences of near-equal scores: step 1 used 16-22% of 1e-5 on one CPU, and
+    # another CPU model moved such a loss up to 5x more (test_sequence_parallel). Ranks that did not
+    # share their gradients, or read other samples, are off by far more.
+    assert_same_trajectory([tmp_path / "n1", tmp_path / "n2"], first_rtol=1e-4, rtol=1e-3, keys=keys)
     assert "all 2 ranks hold identical student and critic weights" in two

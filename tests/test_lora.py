@@ -420,8 +420,11 @@ def test_a_lora_run_under_torchrun_matches_one_process_whole_or_sharded_and_merg
     assert main(lora_args(tiny_teacher, tmp_path / "one", tmp_path / "cache", **one)) == 0
     keys = ("loss", "grad_norm", "critic_loss", "critic_grad_norm")
     # Equal losses and gradient norms per step (weights after Adam are not compared: see
-    # assert_same_trajectory).
-    assert_same_trajectory([tmp_path / "one", tmp_path / "gpu"], keys=keys)
+    # assert_same_trajectory). A LoRA loss starts as a small difference of near-equal velocities (the
+    # adapters at zero), which magnifies another order of reductions: step 1's loss used a third of
+    # 1e-5 on one CPU, and another CPU model moved such a loss up to 5x more (test_sequence_parallel).
+    # Ranks that did not share their gradients, or read other samples, are off by far more.
+    assert_same_trajectory([tmp_path / "one", tmp_path / "gpu"], first_rtol=1e-4, rtol=1e-3, keys=keys)
     assert (tmp_path / "gpu" / "lora" / FILES["high"]).is_file()
     # Gathered weights are exact; placeholders and the gathers reorder some float sums (1e-5 seen).
     assert_same_trajectory([tmp_path / "shard", tmp_path / "gpu"], first_rtol=1e-4, rtol=1e-3, keys=keys)
