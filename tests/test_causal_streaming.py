@@ -79,14 +79,31 @@ def test_the_sampler_is_the_few_step_rollout_of_each_chunk_on_its_clean_past(tin
     scheduler = few_step_scheduler(shift=5.0)
     streamed = [c.latents for c in stream_latents(model, scheduler, steps, text, (16, FRAMES, 8, 8), seed=3)]
     assert [c.shape[2] for c in streamed] == [chunk] * (FRAMES // chunk)
+    expected = stream_without_cache(model, scheduler, steps, text, torch.zeros(1, 16, 0, 8, 8), chunk, seed=3)
+    for ours, theirs in zip(streamed, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
-    generator = torch.Generator().manual_seed(3)
-    noise = torch.randn((1, 16, FRAMES, 8, 8), generator=generator)
+
+def stream_without_cache(
+    model: torch.nn.Module,
+    scheduler: object,
+    steps: int,
+    text: torch.Tensor,
+    done: torch.Tensor,
+    chunk: int,
+    seed: int,
+) -> list[torch.Tensor]:
+    """The chunks after `done` (clean latent frames) up to FRAMES, sampled with no cache: each chunk's
+    steps are forwards of the whole prefix, the finished frames at t=0 (a timestep per token) and the
+    chunk being made at its step's timestep; noise drawn as stream_latents draws it."""
+    offset = done.shape[2]
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn((1, 16, FRAMES - offset, 8, 8), generator=generator)
     timesteps, sigmas = student_grid(scheduler, steps)
     per_frame = 16
-    done = torch.zeros(1, 16, 0, 8, 8)
-    for first in range(0, FRAMES, chunk):
-        x = noise[:, :, first : first + chunk]
+    made = []
+    for first in range(offset, FRAMES, chunk):
+        x = noise[:, :, first - offset : first - offset + chunk]
         for i in range(steps):
             t = torch.cat(
                 [torch.zeros(first * per_frame), torch.full((chunk * per_frame,), float(timesteps[i]))]
@@ -94,8 +111,37 @@ def test_the_sampler_is_the_few_step_rollout_of_each_chunk_on_its_clean_past(tin
             velocity = run(model, torch.cat([done, x], dim=2), text, t[None])[:, :, first:]
             renoise = torch.randn(tuple(x.shape), generator=generator)
             _, x = rollout_step(x, velocity, sigmas[i], sigmas[i + 1], renoise)
-        torch.testing.assert_close(streamed[first // chunk], x, rtol=0, atol=1e-5)
+        made.append(x)
         done = torch.cat([done, x], dim=2)
+    return made
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_stream_continues_its_context_as_if_it_had_made_those_frames(
+    tiny_teacher: Path, chunk: int
+) -> None:
+    """`context`: clean latent frames (a re-encoded last frame of an earlier stream, say) that the
+    clip continues: they sit in the cache at frames 0..K-1 as finished chunks do, and the chunks
+    made after them are the cache-free sampling of the same prefix. Another context, another clip."""
+    model = causal_expert(tiny_teacher, chunk)
+    _, text = inputs()
+    scheduler = few_step_scheduler(shift=5.0)
+    context = inputs(seed=9, frames=chunk)[0]
+
+    def continued(context: torch.Tensor) -> list:
+        shape = (16, FRAMES - context.shape[2], 8, 8)
+        return list(stream_latents(model, scheduler, 2, text, shape, seed=3, context=context))
+
+    made = continued(context)
+    assert [c.first_frame for c in made] == list(range(chunk, FRAMES, chunk))
+    expected = stream_without_cache(model, scheduler, 2, text, context, chunk, seed=3)
+    for ours, theirs in zip(made, expected, strict=True):
+        torch.testing.assert_close(ours.latents, theirs, rtol=0, atol=1e-5)
+    other = continued(inputs(seed=10, frames=chunk)[0])
+    assert (other[0].latents - made[0].latents).abs().max() > 1e-2
+    if chunk > 1:
+        with pytest.raises(ValueError, match="a context of 2 latent frames is not whole chunks of 3"):
+            list(stream_latents(model, scheduler, 2, text, (16, 3, 8, 8), seed=3, context=context[:, :, :2]))
 
 
 def test_the_rolling_window_drops_the_oldest_chunks(tiny_teacher: Path) -> None:

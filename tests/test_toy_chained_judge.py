@@ -58,3 +58,33 @@ def test_only_clip_prompts_are_continued(chained):
         continue_streams(
             chained[1][:1], ["a red circle in the top left on a white background"], None, 1, (1, 1)
         )
+
+
+def test_a_causal_student_re_anchored_keeps_its_own_clip_and_makes_every_later_frame(toy_teacher):
+    """reanchored_streams: the causal student's own 9-frame stream, bit for bit, then 24 frames made
+    from its last frame (docs/streaming.md measures how they move: the shipped student holds the
+    picture, where the image-to-video teacher goes on)."""
+    import torch
+
+    from distill.models.causal.streaming import stream_clip
+    from distill.models.few_step import load_few_step_scheduler
+    from distill.models.pipelines import decode_latents, encode_prompts, load_vae
+    from distill.models.teacher import inspect_teacher
+    from distill.sample.student_folder import load_student
+    from distill.toy.chained_judge import CAUSAL_STUDENT, reanchored_streams
+
+    prompts = eval_prompts(2, clips=True)
+    streams = reanchored_streams(CAUSAL_STUDENT, toy_teacher, prompts)
+    cpu = torch.device("cpu")
+    student = load_student(CAUSAL_STUDENT, inspect_teacher(str(toy_teacher)), cpu, torch.float32)
+    text = encode_prompts(str(toy_teacher), prompts, 512, cpu, torch.float32)
+    vae = load_vae(str(toy_teacher), cpu)
+    for i, (prompt, stream) in enumerate(zip(prompts, streams)):
+        assert stream.shape[0] == STREAM_FRAMES
+        clip = stream_clip(
+            student, load_few_step_scheduler(CAUSAL_STUDENT), 4, text[prompt][None], (16, 3, 4, 4), i
+        )
+        assert np.array_equal(stream[:CLIP_FRAMES], decode_latents(clip[0], vae))
+        # Every hop made frames of its own: no later frame repeats the one before it.
+        later = stream[CLIP_FRAMES - 1 :]
+        assert all(np.abs(later[k + 1] - later[k]).max() > 0 for k in range(len(later) - 1))

@@ -1,8 +1,9 @@
 """Streams continued by the toy image-to-video teacher from their last frame: whether the toy world has
 a teacher that goes on moving a shape past the trained 9 frames. A measurement, not shipped.
 
-    python -m distill.toy.chained_judge                 # ~3 min on one thread, 72 prompts
-    python -m distill.toy.chained_judge --students      # also the shipped 4-step students, chained
+    python -m distill.toy.chained_judge                 # ~2 min on one thread, 72 prompts
+    python -m distill.toy.chained_judge --students      # also the shipped 4-step students, chained,
+                                                        # and the causal student re-anchored (~4 min)
 
 A stream is started by a 9-frame clip (the world's own, the text-to-video teacher's at 20 steps, or
 the shipped 4-step clip student's), then continued a clip at a time: the image-to-video teacher is
@@ -38,6 +39,7 @@ TEACHER_STEPS = 20
 HOP_SEED = 1000  # hop h's clip i draws its noise from HOP_SEED * h + i: no hop repeats another's
 CLIP_STUDENT = ASSETS.parent / "toy_student_clips_dmd"
 I2V_STUDENT = ASSETS.parent / "toy_i2v_student_dmd"
+CAUSAL_STUDENT = ASSETS.parent / "toy_student_causal"
 FIGURES = ("accuracy", "identity", "motion_ratio", "late_motion_ratio")
 
 
@@ -110,6 +112,48 @@ def student_clips(student: Path, teacher: Path, prompts: Sequence[str], steps: i
     )
 
 
+@torch.no_grad()
+def reanchored_streams(
+    student: Path, teacher: Path, prompts: Sequence[str], frames: int = STREAM_FRAMES
+) -> list[np.ndarray]:
+    """The causal `student`'s own 9-frame stream of each prompt (seed i, 4 steps), then continued a
+    clip at a time from its last frame as the image-to-video teacher continues one: that frame,
+    re-encoded as an image (a clip's first latent frame), is the stream's `context` in a fresh KV cache,
+    the student makes the latent frames after it (the full clip prompt), and of that clip, decoded,
+    the frames after the image are appended."""
+    from distill.models.causal.streaming import stream_latents
+    from distill.models.few_step import load_few_step_scheduler
+    from distill.models.pipelines import decode_latents, encode_prompts, load_vae
+    from distill.models.teacher import inspect_teacher
+    from distill.sample.student_folder import load_student
+    from distill.toy.window_judge import encode_frames
+
+    cpu = torch.device("cpu")
+    model = load_student(student, inspect_teacher(str(teacher)), cpu, torch.float32)
+    scheduler = load_few_step_scheduler(student)
+    vae = load_vae(str(teacher), cpu)
+    embeddings = encode_prompts(str(teacher), list(prompts), 512, cpu, torch.float32)
+    latent_frames = (CLIP_FRAMES - 1) // 4 + 1
+
+    def made(text: torch.Tensor, shape: tuple[int, ...], seed: int, context: Any = None) -> torch.Tensor:
+        chunks = stream_latents(model, scheduler, 4, text, shape, seed, context=context)
+        return torch.cat([chunk.latents for chunk in chunks], dim=2)
+
+    streams = []
+    for i, prompt in enumerate(prompts):
+        text = embeddings[prompt][None]
+        stream = decode_latents(made(text, (16, latent_frames, 4, 4), i)[0], vae)
+        hop = 0
+        while stream.shape[0] < frames:
+            hop += 1
+            image = encode_frames(vae, stream[None, -1:])
+            after = made(text, (16, latent_frames - 1, 4, 4), HOP_SEED * hop + i, context=image)
+            clip = decode_latents(torch.cat([image, after], dim=2)[0], vae)
+            stream = np.concatenate([stream, clip[1:]])[:frames]
+        streams.append(stream)
+    return streams
+
+
 def scored(name: str, streams: Sequence[np.ndarray], prompts: Sequence[str]) -> dict[str, Any]:
     from distill.toy.stream_score import score_stream
 
@@ -141,6 +185,10 @@ def rows(teacher: Path, i2v_teacher: Path, count: int, students: bool) -> list[d
         found.append(
             scored("the 4-step clip student's clip, then the 4-step I2V dmd student", streams, prompts)
         )
+        streams = reanchored_streams(CAUSAL_STUDENT, teacher, prompts)
+        found.append(
+            scored("the causal student, re-anchored on its last frame at each hop", streams, prompts)
+        )
     return found
 
 
@@ -159,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prompts", type=integer(9), default=72, help="the first N scored clip prompts")
     parser.add_argument(
-        "--students", action="store_true", help="also the shipped 4-step clip and I2V dmd students, chained"
+        "--students",
+        action="store_true",
+        help="also the shipped 4-step clip and I2V dmd students, chained, and the causal student re-anchored",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -57,14 +57,21 @@ def encode_streams(vae: Any, scenes: list, frames: int) -> torch.Tensor:
     encoded whole by `vae` and normalised as the trainer's latents are: (N, 16, T, h, w)."""
     from distill.toy.stream_score import render_stream
 
-    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
     encoded = []
     for start in range(0, len(scenes), 64):
         video = np.stack([render_stream(scene, frames) for scene in scenes[start : start + 64]])
-        x = torch.from_numpy(video).permute(0, 4, 1, 2, 3) * 2.0 - 1.0
-        encoded.append((vae.encode(x).latent_dist.mode() - mean) / std)
+        encoded.append(encode_frames(vae, video))
     return torch.cat(encoded)
+
+
+@torch.no_grad()
+def encode_frames(vae: Any, video: np.ndarray) -> torch.Tensor:
+    """Clips (N, F, H, W, 3) in [0, 1], each encoded whole by `vae` and normalised as the trainer's
+    latents are: (N, 16, T, h, w). A single frame is a clip's first latent frame (the encoder is causal)."""
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    x = torch.from_numpy(np.ascontiguousarray(video)).permute(0, 4, 1, 2, 3) * 2.0 - 1.0
+    return (vae.encode(x).latent_dist.mode() - mean) / std
 
 
 def frame_change(x: torch.Tensor) -> list[float]:

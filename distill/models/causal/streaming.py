@@ -67,6 +67,7 @@ def stream_latents(
     condition: Condition | None = None,
     noise: torch.Tensor | None = None,
     cache: KVCache | None = None,
+    context: torch.Tensor | None = None,
 ) -> Iterator[StreamedChunk]:
     """Yield the chunks of a K-step (`steps`) sample of the causal `student`, in order, each as it finishes.
 
@@ -74,6 +75,9 @@ def stream_latents(
     (B, C, F, h, w) replaces the starting noise (the re-noising stream stays the same). `condition`
     covers the whole clip and is cut to each chunk (distill.models.conditioning.condition_frames).
     `cache` (a fresh one by default, with `window`) is the KV cache used: pass one to look at it.
+    `context` (B, C, K, h, w), K whole chunks: clean latent frames the clip continues (the last frame
+    of an earlier stream re-encoded as an image, say). They enter the cache first, as a finished
+    chunk does, and the F frames are made after them, from latent frame K on; they are not yielded.
     """
     layout = causal_layout(student)
     if layout is None:
@@ -84,6 +88,11 @@ def stream_latents(
     chunk = layout.chunk_frames
     if not layout.whole_chunks(frames):
         raise ValueError(f"{frames} latent frames are not whole chunks of {chunk}")
+    offset = 0 if context is None else context.shape[2]
+    if not layout.whole_chunks(offset):
+        raise ValueError(f"a context of {offset} latent frames is not whole chunks of {chunk}")
+    if context is not None and condition is not None:
+        raise ValueError("a condition covers a clip from its first frame: give a context or a condition")
     device = next(student.parameters()).device
     generator = torch.Generator("cpu").manual_seed(seed)
 
@@ -97,15 +106,28 @@ def stream_latents(
     if noise is not None:
         start_noise = noise.to(device, torch.float32).reshape(start_noise.shape)
     cache = cache if cache is not None else KVCache(window)
+
+    def remember(clean: torch.Tensor, first: int, part: torch.Tensor | None) -> None:
+        """The pass at t=0 that adds a finished chunk's keys and values to the cache."""
+        with causal_pass(student, start_frame=first, cache=cache, commit=True):
+            conditioned(cache_filler(student), kind, part)(
+                hidden_states=clean.to(dtype),
+                timestep=torch.full((clean.shape[0],), CONTEXT_TIMESTEP, device=device),
+                encoder_hidden_states=cond,
+                return_dict=False,
+            )
+
+    for first in range(0, offset, chunk):
+        remember(context[:, :, first : first + chunk].to(device), first, None)
     count = frames // chunk
     for index in range(count):
-        first = index * chunk
+        first = offset + index * chunk
         part = condition_frames(kind, condition, first, first + chunk)
         part = part.to(device) if part is not None else None
         with causal_pass(student, start_frame=first, cache=cache):
             clean = rollout(
                 student,
-                start_noise[:, :, first : first + chunk],
+                start_noise[:, :, first - offset : first - offset + chunk],
                 cond,
                 timesteps,
                 sigmas,
@@ -116,13 +138,7 @@ def stream_latents(
         last = index == count - 1
         yield StreamedChunk(index, first, clean, last)
         if not last:  # the clean chunk becomes context for every later one
-            with causal_pass(student, start_frame=first, cache=cache, commit=True):
-                conditioned(cache_filler(student), kind, part)(
-                    hidden_states=clean.to(dtype),
-                    timestep=torch.full((clean.shape[0],), CONTEXT_TIMESTEP, device=device),
-                    encoder_hidden_states=cond,
-                    return_dict=False,
-                )
+            remember(clean, first, part)
 
 
 def stream_clip(
