@@ -149,9 +149,11 @@ def lora_run(root: Path) -> Path:
     )
 
 
-def _stock(pipe, image_file: Path, seed: int, steps: int, stochastic: bool) -> torch.Tensor:
-    """The stock pipeline's final latent for the image file, PROMPT and seed, as the model card
-    calls it; a few-step scheduler re-noises from the global RNG, seeded the way generate seeds it."""
+def _stock(
+    pipe, image_file: Path, seed: int, steps: int, stochastic: bool, output_type: str = "latent"
+) -> torch.Tensor:
+    """The stock pipeline's final latent (or frames) for the image file, PROMPT and seed, as the model
+    card calls it; a few-step scheduler re-noises from the global RNG, seeded the way generate seeds it."""
     generator = torch.Generator("cpu").manual_seed(seed)
     if stochastic:
         torch.manual_seed(seed)
@@ -167,7 +169,7 @@ def _stock(pipe, image_file: Path, seed: int, steps: int, stochastic: bool) -> t
         guidance_scale=1.0,
         max_sequence_length=LENGTH,
         generator=generator,
-        output_type="latent",
+        output_type=output_type,
     ).frames[0]
 
 
@@ -181,8 +183,8 @@ def _ours(root: Path, folder: Path):
     return info, embeds, pixels, load_vae(info.path, CPU)
 
 
-def _generate_latent(argv: list[str], prompt_index: int = 0) -> torch.Tensor:
-    """distill.generate's own sample (its pipeline, image reading and seeding) as a latent."""
+def _generate_latent(argv: list[str], prompt_index: int = 0, output_type: str = "latent") -> torch.Tensor:
+    """distill.generate's own sample (its pipeline, image reading and seeding) as a latent (or frames)."""
     args = generate.build_parser().parse_args([*argv, "--output", "unused.mp4"])
     found = generate.resolve_defaults(args)
     info = inspect_teacher(args.teacher_path)
@@ -195,7 +197,7 @@ def _generate_latent(argv: list[str], prompt_index: int = 0) -> torch.Tensor:
     pipe = generate.build_pipeline(args, info, CPU, torch.float32, found[0] if found else None)
     prompts = generate.collect_prompts(args.prompt, args.prompts_file)
     seed = args.seed + prompt_index
-    return generate.render(pipe, args, prompts[prompt_index], seed, "latent", image=images[prompt_index])
+    return generate.render(pipe, args, prompts[prompt_index], seed, output_type, image=images[prompt_index])
 
 
 def test_pipeline_folder_is_stock_i2v_and_samples_as_the_student_does(root, velocity_run):
@@ -223,6 +225,20 @@ def test_pipeline_folder_is_stock_i2v_and_samples_as_the_student_does(root, velo
                              str(root / "data/images/0.png"), "--seed", "5"]), stock)  # fmt: skip
     _close(_generate_latent(["--student", str(out / "student"), "--prompts_file",
                              str(root / "data/pairs.jsonl"), "--seed", "5"]), stock)  # fmt: skip
+    # and the frames it writes are the stock pipeline's, in [0, 1] (the preprocessed image must not
+    # leave the decoded frames in the VAE's [-1, 1])
+    stock_frames = _stock(
+        WanImageToVideoPipeline.from_pretrained(out / "pipeline"),
+        root / "data/images/0.png",
+        5,
+        STEPS,
+        False,
+        "np",
+    )
+    frames = _generate_latent(["--student", str(out / "student"), "--prompt", PROMPT, "--image",
+                               str(root / "data/images/0.png"), "--seed", "5"], output_type="np")  # fmt: skip
+    assert frames.min() >= 0.0
+    np.testing.assert_allclose(frames, stock_frames, atol=1e-4)
 
 
 def test_the_cards_call_runs_with_the_image_and_generate_writes_every_prompt(

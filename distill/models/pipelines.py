@@ -17,6 +17,7 @@ decode and frees it after. The command-line front end is `distill/generate.py`:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
@@ -415,7 +416,9 @@ def preprocessed_images(pipe: Any, active: bool) -> Iterator[None]:
 
     The stock video processor expects [0, 1] and maps it to [-1, 1] unless the image has a negative
     value: a preprocessed image of a bright scene (no value below 0) would be mapped twice. For the
-    call, a processor that neither resizes nor normalises stands in for it.
+    call, the pipeline's processor preprocesses with one that neither resizes nor normalises; it still
+    postprocesses the decoded frames as stock (back to [0, 1]), which a processor that does not
+    normalise would leave in [-1, 1].
     """
     if not active:
         yield
@@ -423,9 +426,11 @@ def preprocessed_images(pipe: Any, active: bool) -> Iterator[None]:
     from diffusers.video_processor import VideoProcessor
 
     stock = pipe.video_processor
-    pipe.video_processor = VideoProcessor(
+    as_given = VideoProcessor(
         vae_scale_factor=pipe.vae_scale_factor_spatial, do_resize=False, do_normalize=False
     )
+    pipe.video_processor = copy.copy(stock)
+    pipe.video_processor.preprocess = as_given.preprocess
     try:
         yield
     finally:
