@@ -153,11 +153,17 @@ toy-stage1-clips: $(STAMP)
 # to the first frame and the frames per second. Seconds on 2 CPU cores. What it shows past the 9th frame
 # is not a right stream: the toy VAE cannot decode past the trained length, and the student slows to a
 # stop there and its colours drift (read through the toy world's stream reader; docs/streaming.md).
+# The shipped causal student streams 33 frames (3x its clip: it stalls past 9), then streams its own
+# 9 and is continued from the last frame by the shipped 4-step I2V student to 33 (docs/streaming.md).
 demo-stream: $(STAMP)
 	$(PY) download_wan.py --toy $(DEMO_TEACHER) --overwrite
+	$(PY) download_wan.py --toy $(I2V_TEACHER) --toy_kind i2v --overwrite
 	rm -rf outputs/demo-stream
 	$(DEMO_ENV) $(PY) -m distill.generate --student assets/toy_student_causal --teacher_path $(DEMO_TEACHER) \
 		--stream --num_frames 33 --prompts_file data/toy_video_sample_prompts.txt --output outputs/demo-stream/
+	$(DEMO_ENV) $(PY) -m distill.generate --student assets/toy_student_causal --teacher_path $(DEMO_TEACHER) \
+		--stream --continue_with assets/toy_i2v_student_dmd --num_frames 33 \
+		--prompts_file data/toy_video_sample_prompts.txt --output outputs/demo-stream/continued/
 
 # A causal streaming student of the toy clip teacher (ode_init then self_forcing from the shipped dmd
 # clip student), streamed at 9 and 33 frames and scored (distill/toy/causal_students.py, the table in

@@ -11,6 +11,8 @@ The student runs alone in WanPipeline with guidance 1 (one forward per step); th
 VAE and (unless the run recorded its own) scheduler come from the teacher folder. `--teacher_only` runs
 both teacher experts with their guidance (4.0 / 3.0) instead. A causal student streams with `--stream`
 (distill.sample.stream): frames written as each chunk finishes, clips longer than it was trained on.
+`--continue_with I2V_STUDENT` continues each clip past the student's length, hop after hop from its last
+frame, with an image-to-video student (distill.sample.chain); --num_frames is then the whole clip's.
 
 Every sampling flag left out comes from the run that made the student (`run_settings.json` in or
 beside the student folder): the teacher, the training resolution and frame count, the steps and
@@ -46,42 +48,44 @@ folder: --output is a folder that receives prompt_00.png, prompt_01.png, ... (cl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from distill.config.flag_rules import (
     Dependent,
     check_dependents,
     check_guidance,
     given_where,
-    second_expert_guidance,
 )
 from distill.models.causal.layout import read_causal_config
-from distill.models.few_step import renoising_from
 from distill.models.lora_files import is_lora_folder
 from distill.models.pipelines import (
     check_sample_size,
-    preprocessed_images,
 )
-from distill.models.teacher import TeacherInfo, resolve_dtype
+from distill.models.teacher import resolve_dtype
 from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.output_dir import writable_folder
 from distill.ops.paths import Kind, PathFlag, check_paths
+from distill.sample.chain import (
+    Continuation,
+    add_chain_flags,
+    build_continuation,
+    chain_rules,
+    check_continuation,
+    continuation_prompts,
+)
 from distill.sample.image_inputs import collect_prompts, images_of, prompt_images, recorded_mode
 from distill.sample.media import output_paths, write_frames, write_side_by_side_gif
-from distill.sample.render_pipeline import build_pipeline
-from distill.sample.run_settings import (
-    RunSettings,
-    fill_left_out_flags,
-    find_run_settings,
-    warn_without_run_settings,
+from distill.sample.render_pipeline import build_pipeline, render
+from distill.sample.sampling_flags import (
+    check_counts,
+    describe,
+    one_transformer_guidance,
+    resolve_defaults,
 )
 from distill.sample.stream import (
     OpenStream,
@@ -105,70 +109,6 @@ from distill.sample.student_folder import (
 from distill.sample.teacher_loras import add_teacher_lora_flag, teacher_lora_rule, teacher_with_loras
 
 logger = logging.getLogger(__name__)
-
-
-def describe(args: argparse.Namespace, who: str, source: str) -> str:
-    """One line naming the settings a render uses and where they came from."""
-    frames = "1 frame" if args.num_frames == 1 else f"{args.num_frames} frames"
-    return (
-        f"{who}: {args.height}x{args.width}, {frames}, {args.steps} steps, guidance {args.guidance}"
-        f"{f' / {args.guidance_2}' if args.guidance_2 is not None else ''}, "
-        f"max_sequence_length {args.max_sequence_length} ({source})"
-    )
-
-
-def resolve_defaults(args: argparse.Namespace) -> tuple[RunSettings, Path] | None:
-    """Fill every sampling flag left out (None) from the student's run_settings.json; returns it.
-
-    With --teacher_only and a --student, the teacher renders at the student's training size (for
-    comparison) with the teacher's guidance of that run.
-    """
-    found = find_run_settings(args.student) if args.student else None
-    run = found[0] if found else None
-    if run is not None:
-        defaults: dict[str, Any] = {
-            "teacher_path": run.teacher_path,
-            "height": run.height,
-            "width": run.width,
-            "num_frames": run.num_frames,
-            "steps": FALLBACK["steps"] if args.teacher_only else run.num_inference_steps,
-            "guidance": run.teacher_guidance_scale if args.teacher_only else run.guidance_scale,
-            # A student samples with --guidance alone (a LoRA student's experts both take it).
-            "guidance_2": run.teacher_guidance_scale_2 if args.teacher_only else None,
-            "negative_prompt": run.negative_prompt,
-            "max_sequence_length": run.max_sequence_length,
-        }
-    else:
-        defaults = {
-            **FALLBACK,
-            "guidance": TEACHER_GUIDANCE[0] if args.teacher_only else 1.0,
-            "guidance_2": TEACHER_GUIDANCE[1] if args.teacher_only else None,
-            "negative_prompt": "",
-        }
-        if args.student and not args.teacher_only:
-            warn_without_run_settings(
-                args.student, *(FALLBACK[k] for k in ("height", "width", "steps", "max_sequence_length"))
-            )
-    fill_left_out_flags(args, defaults, found[1] if found else None)
-    return found
-
-
-def check_counts(args: argparse.Namespace) -> None:
-    for name in ("steps", "max_sequence_length"):
-        if getattr(args, name) <= 0:
-            raise DistillError(
-                f"--{name} must be a positive integer, got {getattr(args, name)}",
-                fixes=[f"use --{name} 1 or more (or leave it out: the run's value is the default)"],
-                stage=Stage.CONFIG,
-            )
-    # Before the output's suffix is judged: its advice (.png or .mp4) follows from a valid count.
-    if args.num_frames < 1 or args.num_frames % 4 != 1:
-        video = 4 * max(1, round((args.num_frames - 1) / 4)) + 1
-        raise DistillError(
-            f"--num_frames must be 4k+1 (the Wan VAE compresses time by 4), got {args.num_frames}",
-            fixes=[f"--num_frames 1 for an image (.png), or --num_frames {video} for a video (.mp4)"],
-            stage=Stage.CONFIG,
-        )
 
 
 def generate_dependents(
@@ -199,24 +139,14 @@ def generate_dependents(
     )
 
 
-def one_transformer_guidance(args: argparse.Namespace, info: TeacherInfo, given: dict[str, str]) -> None:
-    """A teacher with one transformer (TI2V-5B) has one guidance: a --guidance_2 given for it is
-    refused (the trainer's and evaluate's rule, distill.config.flag_rules.second_expert_guidance)
-    unless it is 1, no guidance; the run's recorded second scale is dropped."""
-    if info.kind.experts != 1:
-        return
-    rule = second_expert_guidance("guidance_2", info.kind.experts, info.kind.model, "--guidance")
-    check_dependents(args, given, [rule], stage=Stage.ARGV)
-    args.guidance_2 = None
-
-
 def check_flags(args: argparse.Namespace, given: dict[str, str]) -> None:
     """Guidance that would not be applied as given, and flags this render would ignore: refused."""
     teacher_experts = args.teacher_only or is_lora_folder(args.student)
     two_experts = teacher_experts or is_merged_folder(args.student)
     second = ("--guidance_2", args.guidance_2) if two_experts and args.guidance_2 is not None else None
     check_guidance(("--guidance", args.guidance), second)
-    check_dependents(args, given, (*generate_dependents(args, two_experts, teacher_experts), *stream_rules()))
+    rules = (*generate_dependents(args, two_experts, teacher_experts), *stream_rules(), *chain_rules())
+    check_dependents(args, given, rules)
 
 
 def path_flags(args: argparse.Namespace) -> list[PathFlag]:
@@ -227,6 +157,8 @@ def path_flags(args: argparse.Namespace) -> list[PathFlag]:
         PathFlag("--student", args.student, Kind.FOLDER, must_exist=False),
         PathFlag("--teacher_path", args.teacher_path, Kind.FOLDER_OR_HUB),
         PathFlag("--prompts_file", args.prompts_file, Kind.PROMPTS),
+        PathFlag("--continue_with", args.continue_with, Kind.FOLDER, must_exist=False),
+        PathFlag("--continue_teacher_path", args.continue_teacher_path, Kind.FOLDER_OR_HUB),
     ]
     if args.output is not None:
         output = Kind.OUTPUT_FOLDER if Path(args.output).is_dir() else Kind.OUTPUT_FILE
@@ -236,6 +168,13 @@ def path_flags(args: argparse.Namespace) -> list[PathFlag]:
 
 def prepare(args: argparse.Namespace) -> tuple[Any, list[str], list[Path], Any]:
     """Every flag resolved and checked, then (pipeline, prompts, output files, images or None)."""
+    return prepare_chained(args)[:4]
+
+
+def prepare_chained(
+    args: argparse.Namespace,
+) -> tuple[Any, list[str], list[Path], Any, Continuation | None]:
+    """`prepare`'s, and the image-to-video student that continues each clip (--continue_with), else None."""
     from distill.models.teacher import inspect_teacher
 
     check_paths(path_flags(args), probe=False)  # kinds first; the output's folder is probed below
@@ -250,14 +189,27 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], list[Path], Any]:
     # The flags given (an empty negative prompt is the default's and changes nothing).
     given = given_where(
         name
-        for name in ("guidance_2", "negative_prompt", "teacher_lora", "stream_window")
+        for name in (
+            "guidance_2",
+            "negative_prompt",
+            "teacher_lora",
+            "stream_window",
+            "continue_prompt",
+            "continue_teacher_path",
+        )
         if getattr(args, name) not in (None, "")
     )
+    total = args.num_frames  # with --continue_with: the continued clip's; the first is the student's own
+    if args.continue_with:
+        args.num_frames = None
     found = resolve_defaults(args)
     check_counts(args)
     check_flags(args, given)
+    chain = check_continuation(args, total) if args.continue_with else None
     prompts = collect_prompts(args.prompt, args.prompts_file)
-    targets = [] if args.output is None else output_paths(args.output, len(prompts), args.num_frames)
+    hop_prompts = continuation_prompts(prompts, args.continue_prompt) if chain else []
+    written_frames = chain.plan.total if chain else args.num_frames
+    targets = [] if args.output is None else output_paths(args.output, len(prompts), written_frames)
     for folder in dict.fromkeys(target.parent for target in targets):  # before anything renders
         writable_folder(folder, "--output", create=False)
     info = inspect_teacher(args.teacher_path)
@@ -298,8 +250,10 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], list[Path], Any]:
     device = pick_device(args.device)
     run = found[0] if found else None
     dtype = resolve_dtype(args.dtype, device)
+    continuation = build_continuation(chain, hop_prompts, device, dtype) if chain else None
     if layout is not None:  # --stream: the causal student's streamer stands in for the pipeline
-        return build_streamer(args, info, device, dtype, run, layout, prompts), prompts, targets, images
+        streamer = build_streamer(args, info, device, dtype, run, layout, prompts)
+        return streamer, prompts, targets, images, continuation
     if not args.teacher_only and read_causal_config(args.student) is not None:
         logger.warning(
             "%s is a causal student: --stream makes the clips it was trained to make (chunk after chunk on "
@@ -307,20 +261,23 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], list[Path], Any]:
             args.student,
             ", its adapters attending over all of it" if is_lora_folder(args.student) else "",
         )
-    return build_pipeline(args, info, device, dtype, run, image=images is not None), prompts, targets, images
+    pipe = build_pipeline(args, info, device, dtype, run, image=images is not None)
+    return pipe, prompts, targets, images, continuation
 
 
 def generate(args: argparse.Namespace) -> list[Path]:
     """Render every prompt and write it; returns the written files."""
-    pipe, prompts, targets, images = prepare(args)
+    pipe, prompts, targets, images, continuation = prepare_chained(args)
     if args.stream:  # frames written as each chunk finishes
-        return stream_all(pipe, prompts, targets, images, args.seed)
+        return stream_all(pipe, prompts, targets, images, args.seed, continuation)
     written, clips = [], []
     for i, (prompt, target) in enumerate(zip(prompts, targets)):
         frames = render(pipe, args, prompt, args.seed + i, image=images_of(images, i))
+        if continuation is not None:
+            frames = continuation.extend(frames, i, args.seed + i)
         written.append(write_frames(frames, target))
         clips.append(frames)
-    if args.num_frames > 1 and len(written) > 1:
+    if len(clips[0]) > 1 and len(written) > 1:
         # Several clips: also one GIF that plays them side by side (MP4s need a player per file).
         who = "teacher" if args.teacher_only else "student"
         written.append(
@@ -329,47 +286,6 @@ def generate(args: argparse.Namespace) -> list[Path]:
             )
         )
     return written
-
-
-def render(
-    pipe: Any,
-    args: argparse.Namespace,
-    prompt: str,
-    seed: int,
-    output_type: str = "np",
-    image: torch.Tensor | None = None,
-) -> Any:
-    """One sample with the resolved settings of `args`: frames (F, H, W, 3) in [0, 1], or the
-    final latent with output_type="latent". `image` (an image-to-video pipeline) is the first
-    frame, already preprocessed as the pipeline would (distill.sample.image_inputs)."""
-    # None for a one-model student: WanPipeline refuses a second scale without a second expert.
-    extra: dict[str, Any] = {"guidance_scale_2": args.guidance_2} if args.guidance_2 is not None else {}
-    if image is not None:
-        extra["image"] = image
-    generator = torch.Generator("cpu").manual_seed(seed)
-    # A few-step student's scheduler re-noises at every step; the stock pipeline would draw that from
-    # the device's global RNG (it gives scheduler.step no generator). It draws from the start's CPU
-    # stream instead, as distill.models.few_step.sample_few_step(..., seed) does: the same sample on
-    # every device, and on the CPU the stock pipeline's after torch.manual_seed(seed).
-    renoising = (
-        renoising_from(pipe.scheduler, generator)
-        if getattr(pipe.scheduler.config, "stochastic_sampling", False)
-        else contextlib.nullcontext()
-    )
-    with preprocessed_images(pipe, image is not None), renoising:
-        return pipe(
-            prompt=prompt,
-            negative_prompt=args.negative_prompt,
-            height=args.height,
-            width=args.width,
-            num_frames=args.num_frames,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance,
-            generator=generator,
-            output_type=output_type,
-            max_sequence_length=args.max_sequence_length,
-            **extra,
-        ).frames[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -434,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_teacher_lora_flag(parser, "with --teacher_only, or for a LoRA student: base + these + its adapters")
     add_stream_flags(parser)
+    add_chain_flags(parser)
     parser.add_argument(
         "--max_sequence_length",
         type=integer(1),
@@ -467,8 +384,8 @@ def open_stream(argv: Sequence[str]) -> OpenStream:
         )
     args = build_parser().parse_args([*argv, "--stream", "--output", "unused"])
     args.output = None  # nothing is written: no output file to judge
-    streamer, prompts, _, images = prepare(args)
-    return OpenStream(streamer, prompts, images)
+    streamer, prompts, _, images, continuation = prepare_chained(args)
+    return OpenStream(streamer, prompts, images, continuation)
 
 
 @entry_point

@@ -1,23 +1,26 @@
 """The pipeline `generate` renders with: the teacher's stock pipeline with its shared components and
 the student, a LoRA folder's adapters on the teacher, a LoRA run's merged experts in the teacher's
-place, or the teacher alone (--teacher_only).
+place, or the teacher alone (--teacher_only); and one render with it, seeded as generate seeds it.
 
-    from distill.sample.render_pipeline import build_pipeline
+    from distill.sample.render_pipeline import build_pipeline, render
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 from typing import Any
 
 import torch
 
+from distill.models.few_step import renoising_from
 from distill.models.lora_files import is_lora_folder, lora_files
 from distill.models.pipelines import (
     load_scheduler,
     load_text_components,
     load_vae,
+    preprocessed_images,
     scheduler_from_config,
     student_pipeline,
     teacher_pipeline,
@@ -92,3 +95,44 @@ def build_pipeline(
     if merged:  # the merged experts where the teacher's were, switched at its boundary
         return teacher_pipeline(high, low, info.boundary_ratio, scheduler, info.kind, image=image, **shared)
     return student_pipeline(student, scheduler, info.kind, image=image, **shared)
+
+
+def render(
+    pipe: Any,
+    args: argparse.Namespace,
+    prompt: str,
+    seed: int,
+    output_type: str = "np",
+    image: torch.Tensor | None = None,
+) -> Any:
+    """One sample with the resolved settings of `args`: frames (F, H, W, 3) in [0, 1], or the
+    final latent with output_type="latent". `image` (an image-to-video pipeline) is the first
+    frame, already preprocessed as the pipeline would (distill.sample.image_inputs)."""
+    # None for a one-model student: WanPipeline refuses a second scale without a second expert.
+    extra: dict[str, Any] = {"guidance_scale_2": args.guidance_2} if args.guidance_2 is not None else {}
+    if image is not None:
+        extra["image"] = image
+    generator = torch.Generator("cpu").manual_seed(seed)
+    # A few-step student's scheduler re-noises at every step; the stock pipeline would draw that from
+    # the device's global RNG (it gives scheduler.step no generator). It draws from the start's CPU
+    # stream instead, as distill.models.few_step.sample_few_step(..., seed) does: the same sample on
+    # every device, and on the CPU the stock pipeline's after torch.manual_seed(seed).
+    renoising = (
+        renoising_from(pipe.scheduler, generator)
+        if getattr(pipe.scheduler.config, "stochastic_sampling", False)
+        else contextlib.nullcontext()
+    )
+    with preprocessed_images(pipe, image is not None), renoising:
+        return pipe(
+            prompt=prompt,
+            negative_prompt=args.negative_prompt,
+            height=args.height,
+            width=args.width,
+            num_frames=args.num_frames,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            generator=generator,
+            output_type=output_type,
+            max_sequence_length=args.max_sequence_length,
+            **extra,
+        ).frames[0]

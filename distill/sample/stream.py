@@ -42,6 +42,7 @@ from distill.models.lora_files import is_lora_folder
 from distill.models.teacher import TeacherInfo
 from distill.ops.command import integer
 from distill.ops.errors import DistillError, Stage
+from distill.sample.chain import Continuation
 from distill.sample.media import FPS, to_uint8
 from distill.sample.student_folder import is_merged_folder
 
@@ -167,6 +168,7 @@ class StreamReport:
     time_to_first_frame: float
     total: float
     chunks: int
+    hops: int = 0  # clips continued from the last frame (--continue_with)
 
     @property
     def frames_per_second(self) -> float:
@@ -176,7 +178,9 @@ class StreamReport:
         return (
             f"prompt {index}: first {self.first_frames} frames after {self.time_to_first_frame:.2f} s "
             f"({100 * self.time_to_first_frame / max(self.total, 1e-9):.0f}% of the clip's time); "
-            f"{self.frames} frames in {self.chunks} chunks in {self.total:.2f} s = "
+            f"{self.frames} frames in {self.chunks} chunks"
+            + (f" and {self.hops} hop(s) from the last frame" if self.hops else "")
+            + f" in {self.total:.2f} s = "
             f"{self.frames_per_second:.1f} frames/s"
         )
 
@@ -243,31 +247,43 @@ class Streamer:
             decoder.close()
 
     def stream(
-        self, index: int, prompt: str, seed: int, target: Path, image: torch.Tensor | None = None
+        self,
+        index: int,
+        prompt: str,
+        seed: int,
+        target: Path,
+        image: torch.Tensor | None = None,
+        continuation: Continuation | None = None,
     ) -> tuple[Path, StreamReport]:
         """Stream prompt `index` (`prompt`)'s clip from `seed` into `target` (an .mp4, or a .png for
-        one frame), and report its time to first frame and frames per second.
+        one frame), and report its time to first frame and frames per second. With a `continuation`
+        (--continue_with), each hop's frames follow the clip's in the file as soon as it is made.
 
         The first frames count as arrived when they are decoded, before the file gets them: the
         writer is one consumer of the stream, and the first one of a process starts ffmpeg (0.2-0.5 s
         here, against 0.04 s for the toy student's first chunk). The total is until the file is
         complete."""
-        writer = _FrameWriter(target, self.args.num_frames)
+        total_frames = continuation.plan.total if continuation else self.args.num_frames
+        writer = _FrameWriter(target, total_frames)
         start = time.perf_counter()
         first: tuple[float, int] | None = None
-        chunks = 0
+        chunks = hops = 0
         try:
             for frames in self.chunks(prompt, seed, image):
                 if first is None:
                     first = (time.perf_counter() - start, len(frames))
                 writer.add(frames)
                 chunks += 1
+            if continuation is not None:
+                for frames in continuation.frames_after(writer.last_frame, index, seed):
+                    writer.add(frames)
+                    hops += 1
             path = writer.finish()
         finally:
             writer.abandon()
         total = time.perf_counter() - start
         assert first is not None
-        report = StreamReport(writer.count, first[1], first[0], total, chunks)
+        report = StreamReport(writer.count, first[1], first[0], total, chunks, hops)
         logger.info(report.line(index))
         return path, report
 
@@ -280,12 +296,19 @@ class OpenStream:
     streamer: Streamer
     prompts: list[str]
     images: Sequence[torch.Tensor] | None
+    continuation: Continuation | None = None
 
     def chunks(self, index: int = 0, seed: int = 0) -> Iterator[np.ndarray]:
         """Prompt `index`'s clip from `seed`, chunk by chunk: each chunk's frames (F, H, W, 3) in
-        [0, 1] as soon as it is made (the same frames `generate --stream` writes for that seed)."""
+        [0, 1] as soon as it is made (the same frames `generate --stream` writes for that seed), then
+        with --continue_with each hop's new frames."""
         image = None if self.images is None else self.images[index]
-        return self.streamer.chunks(self.prompts[index], seed, image)
+        last = None
+        for frames in self.streamer.chunks(self.prompts[index], seed, image):
+            last = frames[-1]
+            yield frames
+        if self.continuation is not None and last is not None:
+            yield from self.continuation.frames_after(last, index, seed)
 
 
 class _FrameWriter:
@@ -298,10 +321,12 @@ class _FrameWriter:
         self.writer: Any = None
         self.count = 0
         self.frames: list[np.ndarray] = []
+        self.last_frame: np.ndarray | None = None  # as decoded, before 8-bit rounding: a hop starts from it
 
     def add(self, frames: np.ndarray) -> None:
         import imageio.v2 as imageio
 
+        self.last_frame = frames[-1]
         pixels = to_uint8(frames)
         self.count += len(pixels)
         if self.target.suffix == ".png":
@@ -337,10 +362,12 @@ def stream_all(
     targets: Sequence[Path],
     images: Sequence[torch.Tensor] | None,
     seed: int,
+    continuation: Continuation | None = None,
 ) -> list[Path]:
-    """Stream every prompt's clip (prompt i from seed + i) into its target; the files written."""
+    """Stream every prompt's clip (prompt i from seed + i) into its target, continued by
+    `continuation` when given; the files written."""
     return [
-        streamer.stream(i, prompt, seed + i, target, None if images is None else images[i])[0]
+        streamer.stream(i, prompt, seed + i, target, None if images is None else images[i], continuation)[0]
         for i, (prompt, target) in enumerate(zip(prompts, targets, strict=True))
     ]
 

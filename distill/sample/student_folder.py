@@ -205,9 +205,9 @@ def load_any_student(folder: str | Path, info: TeacherInfo, device: torch.device
     return load_student(folder, info, device, dtype)
 
 
-def require_student_folder(folder: str | Path, teacher_only: bool = True) -> Path:
+def require_student_folder(folder: str | Path, teacher_only: bool = True, flag: str = "--student") -> Path:
     """`folder` if it holds an exported student (a config.json, or a LoRA run's adapters), else a
-    report saying what it holds.
+    report saying what it holds, naming `flag`.
 
     `teacher_only`: whether the command has --teacher_only to offer as a way out.
     """
@@ -226,9 +226,9 @@ def require_student_folder(folder: str | Path, teacher_only: bool = True) -> Pat
         if (folder / name / "config.json").is_file() or is_lora_folder(folder / name)
     ]
     raise DistillError(
-        f"student folder not found: {folder}",
+        f"{flag} {folder}: student folder not found",
         details,
-        causes=["training has not finished (the student is exported at the end)", "a typo in --student"],
+        causes=["training has not finished (the student is exported at the end)", f"a typo in {flag}"],
         fixes=[
             *([f"pass {inside[0]}: the student the run in {folder} exported"] if inside else []),
             "pass the student/ (or student_ema/, or lora/ for a LoRA run) folder that train_distillation.py "

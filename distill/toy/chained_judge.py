@@ -2,15 +2,19 @@
 a teacher that goes on moving a shape past the trained 9 frames. A measurement, not shipped.
 
     python -m distill.toy.chained_judge                 # ~2 min on one thread, 72 prompts
-    python -m distill.toy.chained_judge --students      # also the shipped 4-step students, chained,
-                                                        # and the causal student re-anchored (~4 min)
+    python -m distill.toy.chained_judge --students      # also the shipped 4-step students chained by
+                                                        # generate --continue_with, and the causal
+                                                        # student re-anchored (~5 min)
 
 A stream is started by a 9-frame clip (the world's own, the text-to-video teacher's at 20 steps, or
 the shipped 4-step clip student's), then continued a clip at a time: the image-to-video teacher is
 given the stream's last frame as its image and a prompt that names only the motion ("the shape moving
 leftward fast"), and the 8 frames it makes after that image are appended, until the stream has 33
 frames (3x the trained length). Every clip is decoded at the length the toy VAE was fitted on, so the
-frames are read as they are (no stream reader) by `stream_score.score_stream`.
+frames are read as they are (no stream reader) by `stream_score.score_stream`. The students' chains
+are made by the product's own path, `generate --continue_with` (distill/sample/chain.py), with the same
+motion-only hop prompts: the shipped clip student's clip, and the shipped causal student's stream
+(`generate --stream`), each continued by the shipped 4-step I2V dmd student.
 
 The causal students judged by the text-to-video teacher stall past the trained span (docs/streaming.md:
 3x motion ratio 0.21), and so does that teacher streamed a window at a time (0.38, window_judge). A
@@ -30,13 +34,13 @@ import torch
 
 from distill.ops.command import Parser, PathAction, entry_point, integer
 from distill.ops.paths import Kind
+from distill.sample.chain import HOP_SEED  # hop h of clip i draws its noise from seed i + HOP_SEED * h
 from distill.toy.shipped import ASSETS, I2V_ASSETS
 from distill.toy.world import CLIP_FRAMES, parse_prompt
 
 STREAM_FRAMES = 33  # 3x the trained clip's 9 frames: 9 latent frames against 3
 TEACHER_GUIDANCE = (3.0, 1.5)  # both toy teachers' clip guidance (high-noise, low-noise)
 TEACHER_STEPS = 20
-HOP_SEED = 1000  # hop h's clip i draws its noise from HOP_SEED * h + i: no hop repeats another's
 CLIP_STUDENT = ASSETS.parent / "toy_student_clips_dmd"
 I2V_STUDENT = ASSETS.parent / "toy_i2v_student_dmd"
 CAUSAL_STUDENT = ASSETS.parent / "toy_student_causal"
@@ -56,14 +60,9 @@ def continue_streams(
     clip prompt names; the frames after that image are appended. The clips come back unchanged in
     front, bit for bit."""
     from distill.toy.i2v_evaluation import sample_cases
-    from distill.toy.image_score import ImageCase, motion_prompt
+    from distill.toy.image_score import ImageCase
 
-    motions = []
-    for prompt in prompts:
-        attributes = parse_prompt(prompt)
-        if attributes is None or "direction" not in attributes:
-            raise ValueError(f"not a toy clip prompt: {prompt!r}")
-        motions.append(motion_prompt(attributes["direction"], attributes["speed"]))
+    motions = motion_prompts(prompts)
     streams = [np.asarray(clip, dtype=np.float32) for clip in clips]
     hop = 0
     while streams[0].shape[0] < frames:
@@ -101,15 +100,42 @@ def teacher_clips(teacher: Path, prompts: Sequence[str]) -> np.ndarray:
     )
 
 
-def student_clips(student: Path, teacher: Path, prompts: Sequence[str], steps: int = 4) -> np.ndarray:
-    """A text-to-video student's 9-frame clips of `prompts` at `steps`, guidance 1, its own scheduler."""
-    from distill.toy.evaluation import sample_pictures
-    from distill.toy.t2v_students import student_models
+def motion_prompts(prompts: Sequence[str]) -> list[str]:
+    """Each clip prompt's motion alone ("the shape moving leftward fast"): what a hop is told."""
+    from distill.toy.image_score import motion_prompt
 
-    models, scheduler = student_models(student, teacher)
-    return sample_pictures(
-        teacher, prompts, steps=steps, scheduler=scheduler, num_frames=CLIP_FRAMES, **models
-    )
+    motions = []
+    for prompt in prompts:
+        attributes = parse_prompt(prompt)
+        if attributes is None or "direction" not in attributes:
+            raise ValueError(f"not a toy clip prompt: {prompt!r}")
+        motions.append(motion_prompt(attributes["direction"], attributes["speed"]))
+    return motions
+
+
+def generated_streams(
+    student: Path, teacher: Path, i2v_teacher: Path, prompts: Sequence[str], frames: int = STREAM_FRAMES
+) -> list[np.ndarray]:
+    """Each prompt's `frames`-frame clip as `generate --continue_with` makes it (prompt i from seed i,
+    hops told its motion): `student`'s clip (streamed when it is causal), continued by the shipped
+    4-step I2V dmd student; the frames as decoded, before any file rounds them."""
+    from distill.generate import build_parser, open_stream, prepare_chained, render
+    from distill.models.causal.layout import read_causal_config
+
+    argv = [
+        *("--student", str(student), "--teacher_path", str(teacher), "--num_frames", str(frames)),
+        *("--continue_with", str(I2V_STUDENT), "--continue_teacher_path", str(i2v_teacher)),
+    ]
+    for prompt, motion in zip(prompts, motion_prompts(prompts)):
+        argv += ["--prompt", prompt, "--continue_prompt", motion]
+    if read_causal_config(student) is not None:
+        stream = open_stream(argv)
+        return [np.concatenate(list(stream.chunks(i, seed=i))) for i in range(len(prompts))]
+    args = build_parser().parse_args([*argv, "--output", "unused"])
+    args.output = None  # nothing is written
+    pipe, _, _, _, continuation = prepare_chained(args)
+    assert continuation is not None
+    return [continuation.extend(render(pipe, args, p, i), i, i) for i, p in enumerate(prompts)]
 
 
 @torch.no_grad()
@@ -165,7 +191,6 @@ def rows(teacher: Path, i2v_teacher: Path, count: int, students: bool) -> list[d
     """The table's rows on the first `count` scored clip prompts."""
     from distill.toy.evaluation import eval_prompts
     from distill.toy.i2v_evaluation import load_pipeline
-    from distill.toy.i2v_students import student_pipeline
 
     prompts = eval_prompts(count, clips=True)
     world = world_streams(prompts, STREAM_FRAMES)
@@ -179,12 +204,12 @@ def rows(teacher: Path, i2v_teacher: Path, count: int, students: bool) -> list[d
         streams = continue_streams(clips, prompts, i2v, TEACHER_STEPS, TEACHER_GUIDANCE)
         found.append(scored(f"{name}, then the I2V teacher (20 steps)", streams, prompts))
     if students:
-        clips = student_clips(CLIP_STUDENT, teacher, prompts)
-        few = student_pipeline(I2V_STUDENT, i2v, i2v_teacher)
-        streams = continue_streams(clips, prompts, few, 4, (1.0, 1.0))
+        streams = generated_streams(CLIP_STUDENT, teacher, i2v_teacher, prompts)
         found.append(
             scored("the 4-step clip student's clip, then the 4-step I2V dmd student", streams, prompts)
         )
+        streams = generated_streams(CAUSAL_STUDENT, teacher, i2v_teacher, prompts)
+        found.append(scored("the causal student's stream, then the 4-step I2V dmd student", streams, prompts))
         streams = reanchored_streams(CAUSAL_STUDENT, teacher, prompts)
         found.append(
             scored("the causal student, re-anchored on its last frame at each hop", streams, prompts)
