@@ -65,7 +65,7 @@ from distill.models.lora_files import is_lora_folder
 from distill.models.pipelines import (
     check_sample_size,
 )
-from distill.models.teacher import resolve_dtype
+from distill.models.teacher import empty_device_cache, resolve_dtype
 from distill.ops.command import Parser, PathAction, entry_point, integer, number
 from distill.ops.errors import DistillError, Stage, report
 from distill.ops.output_dir import writable_folder
@@ -269,12 +269,19 @@ def generate(args: argparse.Namespace) -> list[Path]:
     """Render every prompt and write it; returns the written files."""
     pipe, prompts, targets, images, continuation = prepare_chained(args)
     if args.stream:  # frames written as each chunk finishes
-        return stream_all(pipe, prompts, targets, images, args.seed, continuation)
-    written, clips = [], []
-    for i, (prompt, target) in enumerate(zip(prompts, targets)):
-        frames = render(pipe, args, prompt, args.seed + i, image=images_of(images, i))
         if continuation is not None:
-            frames = continuation.extend(frames, i, args.seed + i)
+            continuation.load()  # before the first stream: its load is no part of any clip's time
+        return stream_all(pipe, prompts, targets, images, args.seed, continuation)
+    renders = (
+        render(pipe, args, p, args.seed + i, image=images_of(images, i)) for i, p in enumerate(prompts)
+    )
+    if continuation is not None:
+        firsts = list(renders)
+        del pipe, renders  # every first clip is made: its model goes before the continuing one loads
+        empty_device_cache()
+        renders = (continuation.extend(clip, i, args.seed + i) for i, clip in enumerate(firsts))
+    written, clips = [], []
+    for frames, target in zip(renders, targets):  # each file written as soon as its clip is made
         written.append(write_frames(frames, target))
         clips.append(frames)
     if len(clips[0]) > 1 and len(written) > 1:
@@ -385,6 +392,8 @@ def open_stream(argv: Sequence[str]) -> OpenStream:
     args = build_parser().parse_args([*argv, "--stream", "--output", "unused"])
     args.output = None  # nothing is written: no output file to judge
     streamer, prompts, _, images, continuation = prepare_chained(args)
+    if continuation is not None:
+        continuation.load()
     return OpenStream(streamer, prompts, images, continuation)
 
 

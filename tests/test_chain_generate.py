@@ -5,6 +5,8 @@ and the refusals of what cannot continue."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import imageio.v2 as imageio
@@ -14,6 +16,7 @@ import torch
 
 from distill import generate
 from distill.sample.chain import HOP_SEED, ChainPlan
+from distill.sample.render_pipeline import build_pipeline
 from distill.toy.shipped import ASSETS, I2V_ASSETS
 from distill.toy.world import CLIP_FRAMES
 
@@ -79,11 +82,31 @@ def test_a_stream_is_its_own_clip_then_hops_from_the_last_frame(streamed: tuple)
 
 
 def test_a_picture_students_picture_is_continued_into_a_clip_cut_to_the_count(
-    toy_teacher: Path, tmp_path: Path
+    toy_teacher: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The first model is let go before the continuing one loads: two that each fit the device alone
+    # fit in a chain (the pipelines are followed by weak references).
+    from distill.sample import chain
+
+    firsts: list[weakref.ref] = []
+    alive_at_load: list[bool] = []
+
+    def first_pipeline(*args: object, **kwargs: object) -> object:
+        pipe = build_pipeline(*args, **kwargs)
+        firsts.append(weakref.ref(pipe))
+        return pipe
+
+    def continuing_pipeline(*args: object, **kwargs: object) -> object:
+        gc.collect()
+        alive_at_load.append(firsts[0]() is not None)
+        return build_pipeline(*args, **kwargs)
+
+    monkeypatch.setattr(generate, "build_pipeline", first_pipeline)
+    monkeypatch.setattr(chain, "build_pipeline", continuing_pipeline)
     # The picture student makes 1 frame; hops of 8 new frames, the second cut to 4: 1 + 8 + 4 = 13.
     argv = [*chain_argv(PICTURE_STUDENT, toy_teacher, "--continue_prompt", MOTION), "--num_frames", "13"]
     assert generate.main([*argv, "--output", str(tmp_path / "picture")]) == 0
+    assert alive_at_load == [False]
     frames = imageio.mimread(tmp_path / "picture.mp4")
     assert len(frames) == 13
     assert np.abs(frames[12].astype(float) - frames[0]).mean() > 1  # the picture moved

@@ -21,7 +21,8 @@ Hop h (1, 2, ...) of prompt i samples from seed `--seed + i + 1000 h`, so no hop
 another. Its prompt is --continue_prompt (given once for every prompt, or once per prompt in order),
 else the prompt itself. The image-to-video student samples with its own run's settings (steps,
 guidance, clip length, teacher: its run_settings.json; --continue_teacher_path overrides the teacher)
-at the first clip's size; both models are held at once.
+at the first clip's size. Without --stream every first clip is made before it loads, and the first
+model is let go: two models that each fit the device alone fit as a chain. With --stream both are held.
 """
 
 from __future__ import annotations
@@ -248,21 +249,35 @@ def check_continuation(args: argparse.Namespace, total: int | None) -> CheckedCo
 
 
 class Continuation:
-    """An image-to-video student ready to continue clips, hop by hop, from their last frames."""
+    """An image-to-video student ready to continue clips, hop by hop, from their last frames. Its
+    pipeline loads on first use (`load`): generate renders every first clip and lets go of that model
+    before this one loads, so a chain of two models that each fit the device alone fits too."""
 
-    def __init__(self, pipe: Any, args: argparse.Namespace, plan: ChainPlan, prompts: Sequence[str]) -> None:
-        self.pipe, self.args, self.plan = pipe, args, plan
+    def __init__(
+        self, checked: CheckedContinuation, prompts: Sequence[str], device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.checked, self.device, self.dtype = checked, device, dtype
+        self.args, self.plan = checked.args, checked.plan
         self.prompts = list(prompts)  # prompt i's hop prompt
-        self.vae_scale_factor = int(pipe.vae_scale_factor_spatial)
+        self.pipe: Any = None
+
+    def load(self) -> Any:
+        """The image-to-video student's stock pipeline, built once."""
+        if self.pipe is None:
+            checked = self.checked
+            run = checked.found[0] if checked.found else None
+            self.pipe = build_pipeline(checked.args, checked.info, self.device, self.dtype, run, image=True)
+        return self.pipe
 
     def frames_after(self, last_frame: np.ndarray, index: int, seed: int) -> Iterator[np.ndarray]:
         """The frames that follow a first clip ending on `last_frame` (prompt `index`'s, sampled from
         `seed`), one hop's new frames at a time, until the plan's total."""
+        pipe = self.load()
         made, hop = self.plan.first, 0
         while made < self.plan.total:
             hop += 1
-            image = frame_as_image(last_frame, self.vae_scale_factor)
-            clip = render(self.pipe, self.args, self.prompts[index], seed + HOP_SEED * hop, image=image)
+            image = frame_as_image(last_frame, int(pipe.vae_scale_factor_spatial))
+            clip = render(pipe, self.args, self.prompts[index], seed + HOP_SEED * hop, image=image)
             new = clip[1 : 1 + self.plan.total - made]
             yield new
             last_frame, made = clip[-1], made + len(new)
@@ -275,12 +290,11 @@ class Continuation:
 def build_continuation(
     checked: CheckedContinuation, prompts: Sequence[str], device: torch.device, dtype: torch.dtype
 ) -> Continuation:
-    """The --continue_with student in its stock image-to-video pipeline, ready to continue each prompt's
-    clip with its hop prompt (`prompts`)."""
+    """The --continue_with student, ready to continue each prompt's clip with its hop prompt
+    (`prompts`); its pipeline loads on first use."""
     found = checked.found
     logger.info(
         describe(checked.args, "continued by", f"defaults from {found[1]}" if found else "built-in defaults")
     )
     logger.info(checked.plan.line())
-    pipe = build_pipeline(checked.args, checked.info, device, dtype, found[0] if found else None, image=True)
-    return Continuation(pipe, checked.args, checked.plan, prompts)
+    return Continuation(checked, prompts, device, dtype)
