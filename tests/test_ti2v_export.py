@@ -334,6 +334,12 @@ def test_generate_and_evaluate_run_on_the_ti2v_teacher_and_students(
         )
         == 0
     )
+    # the text-mode student's clip continued from its last frame by the image-mode one (--continue_with)
+    chained = tmp_path / "chained.mp4"
+    text_then_image = ["--student", str(text_run / "student"), "--continue_with", str(image_run / "student")]
+    assert generate.main([*text_then_image, "--prompt", PROMPT, "--num_frames", str(3 * FRAMES - 2),
+                          "--output", str(chained)]) == 0  # fmt: skip
+    assert read_frames(chained).shape == (3 * FRAMES - 2, SIZE, SIZE, 3)  # a clip, then two hops
     capsys.readouterr()
 
     argv = ["--num_buckets", "2", "--teacher_steps", "2", "--steps", "2"]
@@ -386,6 +392,10 @@ def test_inputs_of_the_other_mode_are_refused_naming_the_runs_mode(
     pairs = ["--prompts_file", str(root / "data" / "pairs.jsonl"), "--output", str(tmp_path / "never")]
     err = _refused(generate.main, ["--student", str(text_run / "student"), *pairs], capsys)
     assert "text mode" in err and "pairs.jsonl" in err
+    text_continues = ["--continue_with", str(text_run / "student"), "--num_frames", str(2 * FRAMES - 1)]
+    err = _refused(generate.main, ["--student", str(text_run / "student"), "--prompt", PROMPT,
+                                   *text_continues, *out], capsys)  # fmt: skip
+    assert "is a text-to-video student: it cannot go on from a frame" in err and "in text mode" in err
     evaluate_argv = ["--output_dir", str(tmp_path / "never_eval")]
     err = _refused(evaluate.main, ["--student", str(image_run / "student"), "--prompts",
                                    str(root / "data" / "prompts.txt"), *evaluate_argv], capsys)  # fmt: skip
