@@ -290,7 +290,8 @@ def test_self_forcing_trains_resumes_bitwise_and_its_export_streams(
     assert json.loads((student / "causal_config.json").read_text())["chunk_frames"] == CHUNK
     assert (student / "scheduler_config.json").is_file()
     assert json.loads((student / "run_settings.json").read_text())["chunk_frames"] == CHUNK
-    assert "It is causal" in (student / "README.md").read_text()  # the model card says how to stream it
+    card = (student / "README.md").read_text()
+    assert "It is causal" in card and "--continue_with" in card  # how to stream it, and to go on past it
     assert run_streaming_card(student, monkeypatch, tmp_path / "card") == 33  # ... in Python, as written
     video = tmp_path / "stream"
     code = generate.main(

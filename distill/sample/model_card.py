@@ -96,7 +96,9 @@ def _streaming_lines(settings: RunSettings, folder_ref: str) -> list[str]:
         "```",
         "",
         '`python -m distill.generate --student FOLDER --stream --prompt "..."` writes the same frames to an MP4 as',
-        "they come and prints the time to the first frame.",
+        "they come and prints the time to the first frame. Past the trained length a causal student slows down;",
+        "`--continue_with I2V_STUDENT --num_frames N` instead continues its clip hop after hop from the last frame",
+        "with an image-to-video student (of Wan2.2-I2V-A14B), which keeps it moving.",
     ]
 
 
