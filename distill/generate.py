@@ -205,7 +205,7 @@ def prepare_chained(
     found = resolve_defaults(args)
     check_counts(args)
     check_flags(args, given)
-    chain = check_continuation(args, total) if args.continue_with else None
+    chain = check_continuation(args, total, first_recorded=found is not None) if args.continue_with else None
     prompts = collect_prompts(args.prompt, args.prompts_file)
     hop_prompts = continuation_prompts(prompts, args.continue_prompt) if chain else []
     written_frames = chain.plan.total if chain else args.num_frames

@@ -6,6 +6,7 @@ and the refusals of what cannot continue."""
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
 from pathlib import Path
 
@@ -110,6 +111,20 @@ def test_a_picture_students_picture_is_continued_into_a_clip_cut_to_the_count(
     frames = imageio.mimread(tmp_path / "picture.mp4")
     assert len(frames) == 13
     assert np.abs(frames[12].astype(float) - frames[0]).mean() > 1  # the picture moved
+
+
+def test_the_teacher_alone_makes_a_first_clip_of_the_continuing_students_length(
+    toy_teacher: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No run records the teacher's clip length: it is the I2V student's (9), not the 1 frame of the
+    # built-in defaults.
+    teacher = ["--teacher_only", "--teacher_path", str(toy_teacher), "--height", "32", "--width", "32"]
+    argv = [*teacher, "--steps", "2", "--continue_with", str(I2V_STUDENT), "--continue_teacher_path"]
+    with caplog.at_level(logging.INFO):
+        code = generate.main([*argv, str(I2V_ASSETS), "--prompt", PROMPT, "--num_frames", "17", "--output",
+                              str(tmp_path / "teacher")])  # fmt: skip
+    assert code == 0 and len(imageio.mimread(tmp_path / "teacher.mp4")) == 17
+    assert "a first clip of 9 frames, then 1 hop(s)" in caplog.text
 
 
 def refusal(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

@@ -192,9 +192,13 @@ class CheckedContinuation:
     plan: ChainPlan
 
 
-def check_continuation(args: argparse.Namespace, total: int | None) -> CheckedContinuation:
+def check_continuation(
+    args: argparse.Namespace, total: int | None, first_recorded: bool
+) -> CheckedContinuation:
     """The --continue_with student of generate's resolved `args` (the first clip's settings), and the
-    plan of a `total`-frame clip: refused before any model loads unless it starts a video from an image."""
+    plan of a `total`-frame clip: refused before any model loads unless it starts a video from an image.
+    Where no run recorded the first clip's length (`first_recorded` False: the teacher alone), it is set
+    to the continuing student's, the length both were made for."""
     from distill.models.teacher import inspect_teacher
 
     left_to_its_run = (
@@ -242,6 +246,8 @@ def check_continuation(args: argparse.Namespace, total: int | None) -> CheckedCo
     )
     if total is not None:
         check_frame_count(total)
+    if not first_recorded:
+        args.num_frames = hop.num_frames
     first = "the teacher" if args.teacher_only else args.student
     return CheckedContinuation(
         hop, info, found, plan_chain(total, args.num_frames, hop.num_frames, first, hop.student)
