@@ -114,6 +114,31 @@ def test_generate_draws_a_few_step_students_sample_on_cuda_as_on_the_cpu(tiny_te
     torch.testing.assert_close(latents["cuda"], latents["cpu"], rtol=1e-3, atol=1e-3)
 
 
+def test_a_stream_continued_by_an_image_to_video_student_is_the_same_on_cuda_as_on_the_cpu(toy_teacher):
+    """generate --stream --continue_with: the shipped causal student's stream and the shipped I2V
+    student's hops draw every noise from CPU streams, so CUDA gives the CPU's frames (float32 on both;
+    a device-drawn noise would give another clip, off by tenths)."""
+    import numpy as np
+
+    from distill import generate
+    from distill.toy.shipped import ASSETS, I2V_ASSETS
+
+    frames = {}
+    for device in ("cpu", "cuda"):
+        stream = generate.open_stream(
+            [
+                *("--student", str(ASSETS.parent / "toy_student_causal"), "--teacher_path", str(toy_teacher)),
+                *("--continue_with", str(ASSETS.parent / "toy_i2v_student_dmd")),
+                *("--continue_teacher_path", str(I2V_ASSETS), "--num_frames", "33"),
+                *("--prompt", "a red square moving rightward fast in the top left on a black background"),
+                *("--device", device, "--dtype", "float32"),
+            ]
+        )
+        frames[device] = np.concatenate(list(stream.chunks(0, seed=3)))
+    assert frames["cuda"].shape == frames["cpu"].shape == (33, 32, 32, 3)
+    np.testing.assert_allclose(frames["cuda"], frames["cpu"], atol=2e-2)
+
+
 def test_local_rank_beyond_the_visible_gpus_is_explained(tiny_teacher, tmp_path):
     count = torch.cuda.device_count()
     env = {
